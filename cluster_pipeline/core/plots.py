@@ -1,0 +1,90 @@
+"""PNG plots for asset metadata and reports (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def markdown_image(png: bytes, alt: str) -> str:
+    """Markdown that embeds the PNG inline (a data URI), as the Dagster UI renders it."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def cluster_sizes(kmeans_sizes: Sequence[int], sizes: Sequence[int], cap: int) -> bytes:
+    """Bars of cluster sizes before and after the capacity step, with the cap as a line."""
+    k = len(sizes)
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * k + 2), 3))
+    x = np.arange(k)
+    ax.bar(x - 0.2, kmeans_sizes, width=0.4, label="k-means")
+    ax.bar(x + 0.2, sizes, width=0.4, label="after capacity step")
+    ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"cap = {cap}")
+    ax.set_xlabel("cluster")
+    ax.set_ylabel("samples")
+    ax.set_xticks(x)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def pca_map(x: np.ndarray, labels: np.ndarray, selected: np.ndarray | None = None,
+            max_points: int = 20000, seed: int = 0) -> bytes:
+    """2-D PCA of (N, d) embeddings coloured by cluster; selected samples ringed in black."""
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(x), size=min(len(x), max_points), replace=False)
+    xs = x[idx] - x[idx].mean(axis=0)
+    _, _, vt = np.linalg.svd(xs, full_matrices=False)
+    xy = xs @ vt[:2].T
+    fig, ax = plt.subplots(figsize=(5, 4))
+    sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels[idx], cmap="tab10", s=8, alpha=0.7)
+    if selected is not None:
+        sel = selected[idx]
+        ax.scatter(xy[sel, 0], xy[sel, 1], facecolors="none", edgecolors="k", s=18,
+                   linewidths=0.6, label="selected")
+        ax.legend(fontsize=8, loc="best")
+    ax.set_xlabel("PC 1")
+    ax.set_ylabel("PC 2")
+    fig.colorbar(sc, ax=ax, label="cluster")
+    return _png(fig)
+
+
+def loss_curves(steps: Sequence[int], per_rank: Sequence[Sequence[float]]) -> bytes:
+    """Training loss per rank (un-weighted mean token loss) against optimizer step."""
+    fig, ax = plt.subplots(figsize=(5, 3))
+    arr = np.asarray(per_rank, dtype=float)
+    for r in range(arr.shape[1] if arr.ndim == 2 else 0):
+        ax.plot(steps, arr[:, r], marker=".", label=f"rank {r}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "") -> bytes:
+    """Grouped bars: one group per metric, one bar per model (``values[model][metric]``)."""
+    models = list(values)
+    metrics = sorted({m for v in values.values() for m in v})
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3 * len(metrics), 3), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        heights = [values[m].get(metric, np.nan) for m in models]
+        ax.bar(range(len(models)), heights, color=plt.cm.tab10(np.arange(len(models))))
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=20, fontsize=8)
+        ax.set_title(metric, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _png(fig)

@@ -1,0 +1,196 @@
+"""Allocation (DESIGN.md step 4): one shard manifest per data-parallel rank.
+
+For the clustered selectors, cluster c is trained on rank c, with the cluster's weight w_c. For
+``random_global`` and ``full`` the selected samples are shuffled and dealt into K equal shards
+(weight 1); up to K - 1 samples that do not fill a last row are dropped and counted. Every shard
+holds the same number of samples, so every rank takes the same number of optimizer steps
+(unequal counts hang DDP). Each shard's order is a seeded shuffle.
+
+A manifest's content hash is the sha256 of its ordered ``sample_id``/weight lines; a checkpoint
+names the hashes of the manifests it was trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cluster_pipeline.core.selection import CLUSTER_SELECTORS, SelectionResult
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    """The ordered samples that one rank trains on, and the weight of its loss."""
+
+    dataset: str
+    rank: int
+    world_size: int
+    selector: str
+    weight: float
+    seed: int
+    sample_ids: tuple[str, ...]
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def sha256(self) -> str:
+        """Content hash over the ordered (sample_id, weight) pairs."""
+        h = hashlib.sha256()
+        for sid in self.sample_ids:
+            h.update(f"{sid}\t{self.weight!r}\n".encode())
+        return h.hexdigest()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sample_ids"] = list(self.sample_ids)
+        d["n_samples"] = self.n_samples
+        d["sha256"] = self.sha256
+        return d
+
+    def write(self, folder: Path) -> Path:
+        """Write ``rank_<rank>.json`` under ``folder``; returns its path."""
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank_{self.rank}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> ShardManifest:
+        """Load a manifest and verify its content hash.
+
+        Raises:
+            ValueError: the stored hash does not match the content (the file was edited).
+        """
+        d = json.loads(Path(path).read_text())
+        stored = d.pop("sha256", None)
+        d.pop("n_samples", None)
+        d["sample_ids"] = tuple(d["sample_ids"])
+        manifest = cls(**d)
+        if stored is not None and stored != manifest.sha256:
+            raise ValueError(f"{path}: content hash mismatch; the manifest was modified")
+        return manifest
+
+
+@dataclass(frozen=True)
+class Allocation:
+    manifests: list[ShardManifest]
+    dropped: int
+
+    @property
+    def shard_size(self) -> int:
+        return self.manifests[0].n_samples
+
+
+def allocate(
+    dataset: str,
+    sample_ids: np.ndarray,
+    labels: np.ndarray,
+    selection: SelectionResult,
+    k: int,
+    seed: int = 0,
+) -> Allocation:
+    """Build the K shard manifests from a selection.
+
+    Args:
+        sample_ids: (N,) str.
+        labels: (N,) int64 cluster per sample.
+        selection: the selector's result over the same N samples.
+        k: world size K.
+
+    Raises:
+        ValueError: fewer selected samples than ranks, or (a bug upstream) clustered shards of
+            unequal size.
+    """
+    sample_ids = np.asarray(sample_ids)
+    rng = np.random.default_rng(seed)
+    expanded = np.repeat(np.arange(len(sample_ids)), selection.copies)
+    if selection.selector in CLUSTER_SELECTORS:
+        shards = []
+        for c in range(k):
+            members = expanded[labels[expanded] == c]
+            shards.append(members[rng.permutation(len(members))])
+        if len({len(s) for s in shards}) != 1:
+            raise ValueError(f"shards of unequal size {[len(s) for s in shards]}")
+        weights = selection.cluster_weights
+        dropped = 0
+    else:
+        per_rank = len(expanded) // k
+        if per_rank == 0:
+            raise ValueError(f"{len(expanded)} selected samples cannot fill {k} ranks")
+        shuffled = expanded[rng.permutation(len(expanded))]
+        dropped = len(expanded) - per_rank * k
+        shards = [shuffled[c * per_rank : (c + 1) * per_rank] for c in range(k)]
+        weights = np.ones(k)
+    manifests = [
+        ShardManifest(
+            dataset=dataset,
+            rank=c,
+            world_size=k,
+            selector=selection.selector,
+            weight=float(weights[c]),
+            seed=seed,
+            sample_ids=tuple(str(s) for s in sample_ids[shards[c]]),
+        )
+        for c in range(k)
+    ]
+    return Allocation(manifests, dropped)
+
+
+def manifest_set_hash(manifests: list[ShardManifest]) -> str:
+    """sha256 over the ranks' manifest hashes, in rank order: names one allocation."""
+    return hashlib.sha256("".join(m.sha256 for m in manifests).encode()).hexdigest()
+
+
+def check_allocation(
+    manifests: list[ShardManifest],
+    sample_ids: np.ndarray,
+    labels: np.ndarray,
+    selection: SelectionResult,
+    dropped: int,
+) -> dict[str, tuple[bool, str]]:
+    """Independent checks of an allocation against the selection it came from.
+
+    Returns ``{name: (passed, description)}`` for:
+
+    - ``equal_shards``: every rank holds the same number of samples (DDP needs equal steps);
+    - ``coverage``: the multiset of shard samples equals the selected samples with their copies
+      (less the ``dropped`` remainder for the unclustered selectors);
+    - ``weights``: each clustered rank's weight is n_c K / N of its cluster, recomputed from the
+      labels (1 for the other selectors).
+    """
+    from collections import Counter
+
+    sizes = [m.n_samples for m in manifests]
+    out = {"equal_shards": (len(set(sizes)) == 1, f"shard sizes {sizes}")}
+    expected = Counter(
+        {str(s): int(c) for s, c in zip(sample_ids, selection.copies) if c > 0}
+    )
+    actual = Counter(sid for m in manifests for sid in m.sample_ids)
+    missing = sum((expected - actual).values())
+    extra = sum((actual - expected).values())
+    covered = extra == 0 and missing == dropped
+    out["coverage"] = (
+        covered,
+        f"{sum(actual.values())} shard entries; {missing} selected not in a shard "
+        f"(allowed {dropped}), {extra} not selected",
+    )
+    k = len(manifests)
+    if selection.selector in ("peripheral", "core", "random"):
+        n_c = np.bincount(labels, minlength=k)
+        want = n_c * k / n_c.sum()
+    else:
+        want = np.ones(k)
+    got = np.array([m.weight for m in manifests])
+    out["weights"] = (
+        bool(np.allclose(got, want, rtol=1e-9)),
+        f"rank weights {np.round(got, 6).tolist()}, expected {np.round(want, 6).tolist()}",
+    )
+    return out

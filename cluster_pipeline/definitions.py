@@ -1,0 +1,24 @@
+"""The project's one :class:`dagster.Definitions`: the stages under ``defs/`` plus resources and
+the multiprocess executor."""
+
+from pathlib import Path
+
+import dagster as dg
+
+from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.Definitions.merge(
+        dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
+        dg.Definitions(
+            resources={
+                "storage": StorageResource(),
+                "base_model": BaseModelResource(),
+                "torchrun": TorchrunResource(),
+                "pipes_subprocess_client": dg.PipesSubprocessClient(),
+            },
+            executor=dg.multiprocess_executor,
+        ),
+    )

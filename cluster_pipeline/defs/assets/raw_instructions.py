@@ -1,0 +1,84 @@
+"""Stage 0: read one dataset partition into a Delta table and set aside the held-out split."""
+
+
+import time
+
+import dagster as dg
+import polars as pl
+from pydantic import Field
+
+from cluster_pipeline.core.datasets import build_instruction_table, load_samples, source_fingerprint
+from cluster_pipeline.core.formats import DatasetFormatError
+from cluster_pipeline.core.tables import write_table
+from cluster_pipeline.defs.metadata import table_metadata
+from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.defs.resources import StorageResource
+
+
+class RawInstructionsConfig(dg.Config):
+    heldout_fraction: float = Field(
+        default=0.05, ge=0.0, lt=1.0,
+        description="Fraction of the deduplicated samples held out for evaluation, set aside "
+        "before any selection.",
+    )
+    max_heldout: int | None = Field(
+        default=500, ge=1, description="Cap on held-out samples (None = no cap)."
+    )
+    max_train_samples: int | None = Field(
+        default=None, ge=1,
+        description="Cap on the training pool N, a seeded subset (None = all). For quick runs.",
+    )
+    seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    group_name="ingest",
+    kinds={"polars", "deltalake"},
+    code_version="1",
+)
+def raw_instructions(
+    context: dg.AssetExecutionContext, config: RawInstructionsConfig, storage: StorageResource
+) -> dg.MaterializeResult:
+    """One row per distinct sample of the dataset: ``sample_id`` (content hash), ``split``
+    (``train`` or ``heldout``), ``system``/``prompt``/``response`` and the ``source_file`` and
+    1-based ``source_line`` it was read from. Duplicates (same content) keep their first source.
+    """
+    dataset = context.partition_key
+    start = time.perf_counter()
+    try:
+        frame, stats = build_instruction_table(
+            load_samples(dataset, storage.raw_dir),
+            heldout_fraction=config.heldout_fraction,
+            max_heldout=config.max_heldout,
+            max_train=config.max_train_samples,
+            seed=config.seed,
+        )
+    except (DatasetFormatError, FileNotFoundError, ValueError) as e:
+        raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
+    ref = write_table(frame, storage.table_uri("raw_instructions", dataset))
+    seconds = time.perf_counter() - start
+    forms = frame.group_by("form").len().sort("form")
+    context.log.info(
+        f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
+        f"{stats.train} train (of {stats.train_available}), {stats.heldout} held out"
+    )
+    return dg.MaterializeResult(
+        metadata={
+            **table_metadata(ref, frame, seconds,
+                             preview_columns=["sample_id", "split", "prompt", "source_file", "source_line"]),
+            "records_read": stats.records,
+            "duplicates_dropped": stats.duplicates,
+            "train_samples": stats.train,
+            "train_available": stats.train_available,
+            "heldout_samples": stats.heldout,
+            "forms": dg.MetadataValue.json(dict(zip(forms["form"], forms["len"]))),
+            "source_fingerprint": source_fingerprint(dataset, storage.raw_dir),
+            "mean_response_chars": round(float(frame["response"].str.len_chars().mean()), 1),
+        },
+    )
+
+
+def read_split(ref, split: str) -> pl.DataFrame:
+    """Rows of one split of a raw_instructions version."""
+    return ref.read().filter(pl.col("split") == split)

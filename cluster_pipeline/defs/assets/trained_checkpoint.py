@@ -1,0 +1,111 @@
+"""Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
+
+
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from cluster_pipeline.core import plots
+from cluster_pipeline.defs.metadata import latest_metadata
+from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.training.train import TrainConfig
+
+TRAIN_MODULE = "cluster_pipeline.training.train"
+
+
+class TrainedCheckpointConfig(dg.Config):
+    max_length: int = Field(default=512, ge=2, description="Max tokens per training sample.")
+    per_device_batch_size: int = Field(default=4, ge=1, description="Samples per rank per "
+                                       "micro-batch.")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per "
+                                             "optimizer step.")
+    epochs: int = Field(default=1, ge=1, description="Passes over each rank's shard.")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many "
+                                  "optimizer steps (None = all epochs).")
+    learning_rate: float = Field(default=5e-5, gt=0.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(default=0.1, ge=0.0, lt=1.0, description="Fraction of steps "
+                                "of linear warmup.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine",
+                                                              description="Decay after warmup.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping norm.")
+    bf16: bool = Field(default=False, description="bfloat16 autocast.")
+    reweight: bool = Field(default=True, description="Multiply rank c's loss by w_c = n_c K / N "
+                           "(DESIGN.md step 5); off = plain balanced training.")
+    seed: int = Field(default=0, description="Training seed (rank r uses seed + r).")
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    deps=["shard_manifests"],
+    group_name="training",
+    kinds={"pytorch", "huggingface"},
+    code_version="1",
+)
+def trained_checkpoint(
+    context: dg.AssetExecutionContext,
+    config: TrainedCheckpointConfig,
+    storage: StorageResource,
+    base_model: BaseModelResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    """A fine-tuned checkpoint: ``save_pretrained`` folder (safetensors + tokenizer) that
+    ``AutoModelForCausalLM.from_pretrained`` loads, plus ``training_info.json`` naming the shard
+    manifests (by content hash), base model, config and git commit. Trained by ``torchrun`` with
+    one rank per shard manifest; rank c's loss is multiplied by w_c. DESIGN.md step 5.
+    """
+    dataset = context.partition_key
+    start = time.perf_counter()
+    shards = latest_metadata(context, "shard_manifests")
+    instructions = latest_metadata(context, "raw_instructions")
+    manifests = list(shards["manifest_paths"])
+    world_size = len(manifests)
+    if world_size % torchrun.nnodes:
+        raise dg.Failure(f"{world_size} ranks cannot be split over {torchrun.nnodes} nodes")
+    model_path = base_model.local_path(storage)
+    run_dir = storage.work_dir("checkpoints", dataset)
+    output_dir = run_dir / f"{shards['manifest_set_sha256'][:12]}-{context.run_id[:8]}"
+    train_cfg = TrainConfig(
+        model_path=model_path,
+        instructions_uri=str(instructions["table_uri"]),
+        instructions_version=int(instructions["table_version"]),
+        manifests=manifests,
+        output_dir=str(output_dir),
+        provenance={"dagster_run_id": context.run_id, "dataset": dataset,
+                    "manifest_set_sha256": shards["manifest_set_sha256"]},
+        **config.model_dump(),
+    )
+    train_cfg.validate()
+    cfg_path = run_dir / f"{output_dir.name}.config.json"
+    train_cfg.dump(cfg_path)
+    result = pipes_subprocess_client.run(
+        context=context,
+        command=torchrun.command(TRAIN_MODULE, world_size // torchrun.nnodes,
+                                 ["--config", str(cfg_path)]),
+    ).get_materialize_result()
+    seconds = time.perf_counter() - start
+
+    history = [json.loads(line) for line in Path(f"{output_dir}.metrics.jsonl").read_text().splitlines()]
+    info = json.loads((output_dir / "training_info.json").read_text())
+    curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
+    return dg.MaterializeResult(
+        metadata={
+            **{k: v for k, v in (result.metadata or {}).items()},
+            "checkpoint_path": dg.MetadataValue.path(str(output_dir)),
+            "base_model": model_path,
+            "world_size": world_size,
+            "manifest_sha256": dg.MetadataValue.json([m["sha256"] for m in info["manifests"]]),
+            "manifest_set_sha256": shards["manifest_set_sha256"],
+            "git_commit": str(info.get("git_commit")),
+            "seconds": round(seconds, 2),
+            "train_seconds": round(info["train_seconds"], 2),
+            "samples_per_rank": int(shards["shard_size"]),
+            "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+        },
+    )

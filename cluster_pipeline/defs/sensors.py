@@ -1,0 +1,19 @@
+"""The sensor that turns every dataset folder under ``data/raw/`` into a partition."""
+
+import dagster as dg
+
+from cluster_pipeline.core.datasets import discover_datasets
+from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.defs.resources import StorageResource
+
+
+@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
+def dataset_folders_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
+    """Adds a ``datasets`` partition for ``python_stdlib`` and for each new folder
+    ``data/raw/<name>/`` holding .json/.jsonl/.parquet files. Removing a folder deletes nothing."""
+    known = set(context.instance.get_dynamic_partitions(dataset_partitions.name))
+    new = [name for name in discover_datasets(storage.raw_dir) if name not in known]
+    if not new:
+        return dg.SkipReason("no new dataset folders")
+    context.log.info(f"adding dataset partitions {new}")
+    return dg.SensorResult(dynamic_partitions_requests=[dataset_partitions.build_add_request(new)])

@@ -1,0 +1,117 @@
+"""What every torchrun entry point shares: rank discovery, process group, fate-sharing with the
+parent, and a rank-0-only channel back to Dagster through Pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """RANK / LOCAL_RANK / WORLD_SIZE as set by torchrun (0 / 0 / 1 for a plain process)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies, so that no
+    rank outlives a killed launcher. A no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistEnv:
+    """Read the torchrun environment and, when launched by torchrun, join the process group
+    (nccl on CUDA, gloo otherwise)."""
+    env = DistEnv(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+    die_with_parent()
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return env
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Reporter:
+    """Rank 0's voice: logs and metadata go to Dagster through Pipes when the process was
+    launched by a Pipes client, and to stdout otherwise. Other ranks stay silent."""
+
+    def __init__(self, env: DistEnv, pipes=None):
+        self.env = env
+        self.pipes = pipes
+
+    def info(self, message: str) -> None:
+        if not self.env.is_main:
+            return
+        if self.pipes is not None:
+            self.pipes.log.info(message)
+        else:
+            print(message, flush=True)
+
+    def materialization(self, metadata: dict) -> None:
+        if not self.env.is_main:
+            return
+        if self.pipes is not None:
+            self.pipes.report_asset_materialization(metadata=metadata)
+        else:
+            print(json.dumps({"materialization": metadata}, default=str), flush=True)
+
+
+@contextlib.contextmanager
+def reporter(env: DistEnv) -> Iterator[Reporter]:
+    """Open Dagster Pipes on rank 0 if this process runs under a Pipes client."""
+    if env.is_main and "DAGSTER_PIPES_CONTEXT" in os.environ:
+        from dagster_pipes import open_dagster_pipes
+
+        with open_dagster_pipes() as pipes:
+            yield Reporter(env, pipes)
+    else:
+        yield Reporter(env)
+
+
+def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
+    """Gather a short list of floats from every rank (rank order); identity on one process."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if env.world_size == 1 or not dist.is_initialized():
+        return [t.tolist()]
+    if dist.get_backend() == "nccl":
+        t = t.to(env.device)
+    out = [torch.zeros_like(t) for _ in range(env.world_size)]
+    dist.all_gather(out, t)
+    return [o.cpu().tolist() for o in out]

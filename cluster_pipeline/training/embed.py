@@ -1,0 +1,224 @@
+"""Data-parallel gradient-proxy embedding pass (DESIGN.md step 1), the torchrun entry point.
+
+Launch lines::
+
+    # one process
+    python -m cluster_pipeline.training.embed --config embed_config.json
+    # W processes on one machine (gloo on CPU, nccl on GPUs)
+    torchrun --standalone --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_config.json
+    # several machines: same command on each, with
+    torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
+        --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_config.json
+
+The training split of the ``raw_instructions`` table is cut into fixed chunks of ``chunk_size``
+samples (in table order); rank r embeds chunks i with i % world_size == r, each written
+atomically as ``chunk_<i>.parquet`` in ``chunk_dir``. A chunk file that exists is done, so a
+killed run restarted with the same config embeds only the missing chunks. The ``proxy_embeddings``
+asset gathers the chunks, in order, into one Delta table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from cluster_pipeline.core.embedding import embed_batch
+from cluster_pipeline.core.modeling import load_model_and_tokenizer
+from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+from cluster_pipeline.training.distributed import (
+    all_gather_floats,
+    init_distributed,
+    reporter,
+    shutdown_distributed,
+)
+
+CHUNK_SCHEMA = {
+    "sample_id": pl.String,
+    "n_tokens": pl.Int64,
+    "n_response_tokens": pl.Int64,
+    "truncated": pl.Boolean,
+    "skip_reason": pl.String,
+    "mean_loss": pl.Float32,
+    "embedding": pl.List(pl.Float32),
+}
+
+
+@dataclass(frozen=True)
+class EmbedConfig:
+    """Settings of one embedding pass (written as JSON by the asset)."""
+
+    model_path: str
+    instructions_uri: str
+    instructions_version: int
+    chunk_dir: str
+    max_length: int = 512
+    max_batch_size: int = 16
+    max_batch_tokens: int = 8192
+    chunk_size: int = 512
+    bf16: bool = False
+    lm_head_chunk_rows: int = 1024
+    progress_every_s: float = 5.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad option."""
+        for name in ("max_length", "max_batch_size", "max_batch_tokens", "chunk_size",
+                     "lm_head_chunk_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EmbedConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_length < 2:
+            raise ValueError(f"EmbedConfig.max_length must be >= 2, got {self.max_length}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> EmbedConfig:
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown EmbedConfig options {sorted(unknown)}")
+        cfg = cls(**raw)
+        cfg.validate()
+        return cfg
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+
+def chunk_path(chunk_dir: Path, index: int) -> Path:
+    return chunk_dir / f"chunk_{index:06d}.parquet"
+
+
+def read_train_split(uri: str, version: int) -> pl.DataFrame:
+    """The training split of a raw_instructions version, in table order."""
+    frame = pl.read_delta(uri, version=version, columns=["sample_id", "split", "system", "prompt", "response"])
+    return frame.filter(pl.col("split") == "train").drop("split")
+
+
+def embed_frame(model, tokenizer, frame: pl.DataFrame, cfg: EmbedConfig, on_batch=None) -> pl.DataFrame:
+    """Embed every sample of ``frame`` (columns sample_id, system, prompt, response).
+
+    Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
+    response token get a ``skip_reason`` and a null embedding.
+    """
+    encoded = [
+        encode_sample(tokenizer, s, p, r, cfg.max_length)
+        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"])
+    ]
+    n, d = len(encoded), model.config.hidden_size
+    emb = np.zeros((n, d), dtype=np.float32)
+    loss = np.full(n, np.nan, dtype=np.float32)
+    n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
+    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
+    lengths = [len(encoded[i]) for i in usable]
+    autocast = torch.bfloat16 if cfg.bf16 else None
+    for batch_pos in length_batches(lengths, cfg.max_batch_size, cfg.max_batch_tokens):
+        idx = [usable[j] for j in batch_pos]
+        batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
+        out = embed_batch(model, batch, cfg.lm_head_chunk_rows, autocast)
+        emb[idx] = out.embedding
+        loss[idx] = out.mean_loss
+        if on_batch is not None:
+            on_batch(len(idx), int(batch["attention_mask"].sum()))
+    skip = [e.skip_reason for e in encoded]
+    vectors = [None if skip[i] else emb[i].tolist() for i in range(n)]
+    return pl.DataFrame(
+        {
+            "sample_id": frame["sample_id"],
+            "n_tokens": [len(e) for e in encoded],
+            "n_response_tokens": n_resp,
+            "truncated": [e.truncated for e in encoded],
+            "skip_reason": skip,
+            "mean_loss": [None if skip[i] else float(loss[i]) for i in range(n)],
+            "embedding": vectors,
+        },
+        schema=CHUNK_SCHEMA,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="EmbedConfig JSON file")
+    args = parser.parse_args(argv)
+    cfg = EmbedConfig.load(args.config)
+    env = init_distributed()
+    try:
+        with reporter(env) as report:
+            _run(cfg, env, report)
+    finally:
+        shutdown_distributed()
+
+
+def _run(cfg: EmbedConfig, env, report) -> None:
+    chunk_dir = Path(cfg.chunk_dir)
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    frame = read_train_split(cfg.instructions_uri, cfg.instructions_version)
+    n_chunks = math.ceil(frame.height / cfg.chunk_size)
+    mine = [i for i in range(n_chunks) if i % env.world_size == env.rank]
+    todo = [i for i in mine if not chunk_path(chunk_dir, i).exists()]
+    already = sum(1 for i in range(n_chunks) if chunk_path(chunk_dir, i).exists())
+    report.info(
+        f"embedding {frame.height} samples in {n_chunks} chunks on {env.world_size} rank(s); "
+        f"{already} chunk(s) already done"
+    )
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(cfg.model_path, device=str(env.device))
+    progress_file = chunk_dir / f"progress_rank{env.rank}.json"
+    progress_file.unlink(missing_ok=True)  # counts of an earlier, interrupted run
+    state = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
+    done_before = sum(min(cfg.chunk_size, frame.height - i * cfg.chunk_size)
+                      for i in range(n_chunks) if chunk_path(chunk_dir, i).exists())
+
+    def on_batch(samples: int, tokens: int) -> None:
+        state["samples"] += samples
+        state["tokens"] += tokens
+        now = time.time()
+        if now - state["last"] < cfg.progress_every_s:
+            return
+        state["last"] = now
+        progress_file.write_text(json.dumps({"samples": state["samples"], "tokens": state["tokens"]}))
+        if env.is_main:
+            samples_all, tokens_all = 0, 0
+            for p in chunk_dir.glob("progress_rank*.json"):
+                counts = json.loads(p.read_text())
+                samples_all += counts["samples"]
+                tokens_all += counts["tokens"]
+            elapsed = now - state["start"]
+            done = done_before + samples_all
+            rate = samples_all / elapsed if elapsed > 0 else 0.0
+            eta = (frame.height - done) / rate if rate > 0 else float("nan")
+            report.info(
+                f"embedded {done}/{frame.height} samples, {tokens_all / elapsed:.0f} tokens/s, "
+                f"ETA {eta:.0f} s"
+            )
+
+    for i in todo:
+        rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
+        out = embed_frame(model, tokenizer, rows, cfg, on_batch)
+        target = chunk_path(chunk_dir, i)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        out.write_parquet(tmp)
+        os.replace(tmp, target)
+    elapsed = time.time() - state["start"]
+    totals = [state["samples"], state["tokens"], elapsed]
+    gathered = all_gather_floats([float(x) for x in totals], env)
+    report.info(
+        f"embedding pass done: {sum(g[0] for g in gathered):.0f} samples, "
+        f"{sum(g[1] for g in gathered) / max(max(g[2] for g in gathered), 1e-9):.0f} tokens/s"
+    )
+    if env.is_main:
+        (chunk_dir / "pass_stats.json").write_text(
+            json.dumps({"samples": sum(g[0] for g in gathered), "tokens": sum(g[1] for g in gathered),
+                        "seconds": max(g[2] for g in gathered), "world_size": env.world_size})
+        )
+
+
+if __name__ == "__main__":
+    main()
