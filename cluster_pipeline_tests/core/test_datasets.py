@@ -1,0 +1,81 @@
+"""Dataset discovery, dedup, the held-out split and the built-in stdlib dataset."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster_pipeline.core.datasets import build_instruction_table, discover_datasets
+from cluster_pipeline.core.formats import Sample
+from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
+
+
+def _samples(n, dup=0):
+    out = [Sample(f"p{i}", f"r{i}", "", "alpaca", "f.jsonl", i + 1) for i in range(n)]
+    return out + [Sample("p0", "r0", "", "alpaca", "g.jsonl", 99)] * dup
+
+
+def test_discover_lists_builtin_first_then_folders_with_data(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.jsonl").write_text("{}\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.parquet").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no data")
+    assert discover_datasets(tmp_path) == ["python_stdlib", "a", "b"]
+    assert discover_datasets(tmp_path / "missing") == ["python_stdlib"]
+
+
+def test_split_is_exact_deterministic_and_disjoint():
+    frame, stats = build_instruction_table(_samples(100, dup=3), 0.1, None, None, seed=0)
+    assert stats.records == 103 and stats.duplicates == 3
+    assert frame.height == 100 and frame["sample_id"].n_unique() == 100
+    assert (frame["split"] == "heldout").sum() == 10 and stats.train == 90
+    # First occurrence wins for duplicates.
+    assert frame.filter(frame["prompt"] == "p0")["source_file"].item() == "f.jsonl"
+    again, _ = build_instruction_table(list(reversed(_samples(100))), 0.1, None, None, seed=0)
+    assert set(again.filter(again["split"] == "heldout")["sample_id"]) == set(
+        frame.filter(frame["split"] == "heldout")["sample_id"])
+    other, _ = build_instruction_table(_samples(100), 0.1, None, None, seed=1)
+    assert set(other.filter(other["split"] == "heldout")["sample_id"]) != set(
+        frame.filter(frame["split"] == "heldout")["sample_id"])
+
+
+def test_caps_limit_both_splits():
+    frame, stats = build_instruction_table(_samples(100), 0.5, 7, 20, seed=0)
+    assert (stats.heldout, stats.train, stats.train_available) == (7, 20, 93)
+    assert frame.height == 27
+
+
+def test_bad_fraction_and_empty_input_are_errors():
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        build_instruction_table(_samples(3), 1.0, None, None, 0)
+    with pytest.raises(ValueError, match="no samples"):
+        build_instruction_table([], 0.1, None, None, 0)
+
+
+@pytest.fixture(scope="module")
+def stdlib_samples():
+    return list(iter_stdlib_samples())
+
+
+def test_stdlib_dataset_size_and_determinism(stdlib_samples):
+    assert 3000 < len(stdlib_samples) < 9000
+    ids = [s.sample_id for s in stdlib_samples]
+    assert len(set(ids)) > 0.95 * len(ids)
+    assert ids[:50] == [s.sample_id for s in list(iter_stdlib_samples())[:50]]
+
+
+def test_stdlib_sample_points_at_its_function(stdlib_samples):
+    s = next(x for x in stdlib_samples if x.source_file.endswith("/json/__init__.py")
+             and "`dumps(" in x.prompt)
+    line = Path(s.source_file).read_text().splitlines()[s.source_line - 1]
+    assert line.startswith("def dumps(")
+    assert s.response.startswith("def dumps(") and "separators" in s.prompt
+    ast.parse(s.response)  # the response is the function's real source
+    assert all("/test" not in x.source_file and "idlelib" not in x.source_file
+               for x in stdlib_samples)
+    assert all(x.source_file.startswith(sys.base_prefix) or "lib" in x.source_file
+               for x in stdlib_samples[:10])

@@ -1,0 +1,109 @@
+"""Reading every accepted form, with source lines, and clear errors for bad input."""
+
+import json
+
+import polars as pl
+import pytest
+
+from cluster_pipeline.core.formats import (
+    DatasetFormatError,
+    iter_file_records,
+    normalise_record,
+    read_dataset_folder,
+    sample_id,
+)
+from cluster_pipeline_tests.conftest import SHARED_DATASETS
+
+
+@pytest.mark.parametrize(
+    ("record", "form", "prompt", "response", "system"),
+    [
+        ({"instruction": "Add.", "input": "1 2", "output": "3"}, "alpaca", "Add.\n\n1 2", "3", ""),
+        ({"instruction": "Add.", "input": "", "output": "3"}, "alpaca", "Add.", "3", ""),
+        ({"instruction": "Say hi", "response": "hi"}, "instruction_response", "Say hi", "hi", ""),
+        ({"problem": "P", "solution": "S"}, "magicoder", "P", "S", ""),
+        (
+            {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "Q"},
+                               {"from": "gpt", "value": "A"}]},
+            "sharegpt", "Q", "A", "sys",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]},
+            "openai", "User: Q1\n\nAssistant: A1\n\nUser: Q2", "A2", "",
+        ),
+    ],
+)
+def test_every_form_normalises(record, form, prompt, response, system):
+    s = normalise_record(record, "f.jsonl", 7)
+    assert (s.form, s.prompt, s.response, s.system) == (form, prompt, response, system)
+    assert (s.source_file, s.source_line) == ("f.jsonl", 7)
+
+
+def test_sample_id_is_a_content_hash():
+    assert sample_id("", "a", "b") == sample_id("", "a", "b")
+    assert len({sample_id("", "a", "b"), sample_id("", "ab", ""), sample_id("a", "", "b")}) == 3
+
+
+def test_json_array_records_keep_their_starting_line(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[\n  {"problem": "a",\n   "solution": "b"},\n\n  {"problem": "c", "solution": "d"}\n]\n')
+    assert [(line, r["problem"]) for line, r in iter_file_records(path)] == [(2, "a"), (5, "c")]
+
+
+def test_jsonl_and_parquet_lines(tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"problem": "a", "solution": "b"}\n\n{"problem": "c", "solution": "d"}\n')
+    assert [line for line, _ in iter_file_records(jsonl)] == [1, 3]
+    pq = tmp_path / "d.parquet"
+    pl.DataFrame({"problem": ["a", "c"], "solution": ["b", "d"]}).write_parquet(pq)
+    assert [(line, r["problem"]) for line, r in iter_file_records(pq)] == [(1, "a"), (2, "c")]
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"problem": "a", "solution": "b"}\n{"problem": oops}\n')
+    with pytest.raises(DatasetFormatError, match=r"bad\.jsonl:2: invalid JSON"):
+        list(iter_file_records(path))
+
+
+def test_unknown_form_lists_keys_and_accepted_forms(tmp_path):
+    with pytest.raises(DatasetFormatError, match=r"x\.json:3: record with keys \['question'\].*Alpaca"):
+        normalise_record({"question": "?"}, "x.json", 3)
+
+
+def test_chat_without_assistant_turn_is_refused():
+    with pytest.raises(DatasetFormatError, match="no assistant turn"):
+        normalise_record({"messages": [{"role": "user", "content": "hi"}]}, "m.jsonl", 1)
+
+
+def test_empty_folder_is_an_error(tmp_path):
+    with pytest.raises(DatasetFormatError, match="no .json"):
+        list(read_dataset_folder(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "form"),
+    [
+        ("gpteacher_codegen.json", 4535, "instruction_response"),
+        ("alpaca_cherry_5pct.json", 3111, "alpaca"),
+        ("icliniq_medical.jsonl", 6000, "alpaca"),
+    ],
+)
+def test_shared_pools_read_completely(tmp_path, name, count, form):
+    src = SHARED_DATASETS / "train" / name
+    if not src.exists():
+        pytest.skip(f"{src} absent (the shared datasets exist only on the project's machines)")
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    (folder / name).symlink_to(src)
+    samples = list(read_dataset_folder(folder))
+    assert len(samples) == count
+    assert {s.form for s in samples} == {form}
+    # Spot-check the source line of a record against the file itself.
+    s = samples[10]
+    text = src.read_text().splitlines()
+    if name.endswith(".jsonl"):
+        assert json.loads(text[s.source_line - 1])["output"] == s.response
+    else:
+        assert text[s.source_line - 1].strip() == "{"
