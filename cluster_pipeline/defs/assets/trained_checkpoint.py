@@ -70,14 +70,14 @@ def trained_checkpoint(
         raise dg.Failure(f"{world_size} ranks cannot be split over {torchrun.nnodes} nodes")
     model_path = base_model.local_path(storage)
     run_dir = storage.work_dir("checkpoints", dataset)
-    output_dir = run_dir / f"{shards['manifest_set_sha256'][:12]}-{context.run_id[:8]}"
+    output_dir = run_dir / f"{shards['manifest_set_sha256'][:12]}-{context.run.run_id[:8]}"
     train_cfg = TrainConfig(
         model_path=model_path,
         instructions_uri=str(instructions["table_uri"]),
         instructions_version=int(instructions["table_version"]),
         manifests=manifests,
         output_dir=str(output_dir),
-        provenance={"dagster_run_id": context.run_id, "dataset": dataset,
+        provenance={"dagster_run_id": context.run.run_id, "dataset": dataset,
                     "manifest_set_sha256": shards["manifest_set_sha256"]},
         **config.model_dump(),
     )
