@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
 run: setup
-	mkdir -p $(DAGSTER_HOME)
+	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m cluster_pipeline.datasets sync
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
 		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
@@ -42,5 +42,5 @@ validate: setup
 
 # The web UI on http://127.0.0.1:$(PORT); runs and their logs persist in $(DAGSTER_HOME).
 dev: setup
-	mkdir -p $(DAGSTER_HOME)
+	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(PORT)

@@ -11,8 +11,6 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from cluster_pipeline.defs.partitions import dataset_partitions
-
 STAGES = [
     "raw_instructions",
     "proxy_embeddings",
@@ -29,7 +27,6 @@ CPU_QUICK_CONFIG = yaml.safe_load(CPU_QUICK_CONFIG_PATH.read_text())
 main_job = dg.define_asset_job(
     "main_job",
     selection=dg.AssetSelection.assets(*STAGES),
-    partitions_def=dataset_partitions,
     config=CPU_QUICK_CONFIG,
     description="raw_instructions -> ... -> eval_report for one dataset partition.",
 )
@@ -37,6 +34,5 @@ main_job = dg.define_asset_job(
 selection_job = dg.define_asset_job(
     "selection_job",
     selection=dg.AssetSelection.assets(*STAGES[:5]),
-    partitions_def=dataset_partitions,
     description="The cheap selection chain, raw_instructions -> shard_manifests.",
 )

@@ -89,7 +89,6 @@ def proxy_embeddings(
         chunk_dir.mkdir(parents=True)
     n_chunks = -(-train.height // config.chunk_size)
     cached = sum(chunk_path(chunk_dir, i).exists() for i in range(n_chunks))
-    pass_stats = {}
     if cached < n_chunks:
         embed_cfg = EmbedConfig(
             model_path=model_path,
@@ -108,10 +107,11 @@ def proxy_embeddings(
             context=context,
             command=torchrun.command(EMBED_MODULE, config.world_size, ["--config", str(cfg_path)]),
         )
-        stats_file = chunk_dir / "pass_stats.json"
-        pass_stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     else:
         context.log.info(f"all {n_chunks} chunks cached under {chunk_dir}; nothing to embed")
+    # Timings of the pass that computed these embeddings (an earlier run's when cached).
+    stats_file = chunk_dir / "pass_stats.json"
+    pass_stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
 
     chunks = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(n_chunks)])
     if chunks["sample_id"].to_list() != train["sample_id"].to_list():

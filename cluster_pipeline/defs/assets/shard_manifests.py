@@ -27,16 +27,19 @@ class ShardManifestsConfig(dg.Config):
     seed: int = Field(default=0, description="Seed of each shard's sample order.")
 
 
-def selection_from_table(frame: pl.DataFrame, selector: str, k: int, per_cluster: int,
-                         cluster_weights: list[float]) -> SelectionResult:
-    """Rebuild the selector's result from the peripheral_subsets table."""
+def selection_from_table(frame: pl.DataFrame, selector: str, k: int, per_cluster: int) -> SelectionResult:
+    """Rebuild the selector's result from the peripheral_subsets table (weights at full
+    precision from its ``weight`` column, not from rounded metadata)."""
+    per_cluster_weight = frame.group_by("cluster").agg(pl.col("weight").first()).sort("cluster")
+    weights = np.ones(k)
+    weights[per_cluster_weight["cluster"].to_numpy()] = per_cluster_weight["weight"].to_numpy()
     return SelectionResult(
         selector=selector,
         selected=frame["selected"].to_numpy(),
         copies=frame["copies"].to_numpy().astype(np.int64),
         selection_rank=frame["selection_rank"].to_numpy(),
         weight=frame["weight"].to_numpy(),
-        cluster_weights=np.asarray(cluster_weights, dtype=np.float64),
+        cluster_weights=weights,
         per_cluster=per_cluster,
     )
 
@@ -66,7 +69,7 @@ def shard_manifests(
     subsets = upstream_table(context, "peripheral_subsets").read()
     k = len(subsets_meta["cluster_weights"])
     selection = selection_from_table(subsets, str(subsets_meta["selector"]), k,
-                                     int(subsets_meta["per_cluster"]), subsets_meta["cluster_weights"])
+                                     int(subsets_meta["per_cluster"]))
     try:
         allocation = allocate(dataset, subsets["sample_id"].to_numpy(), subsets["cluster"].to_numpy(),
                               selection, k, config.seed)

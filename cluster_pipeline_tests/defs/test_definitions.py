@@ -1,0 +1,61 @@
+"""The Definitions load, and their shape: assets, groups, partitions, checks, jobs."""
+
+import dagster as dg
+import pytest
+
+from cluster_pipeline.definitions import defs
+from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG, STAGES
+from cluster_pipeline.defs.resources import TorchrunResource
+
+
+@pytest.fixture(scope="module")
+def definitions() -> dg.Definitions:
+    return defs()
+
+
+def test_definitions_load_with_the_seven_stages(definitions):
+    graph = definitions.resolve_asset_graph()
+    groups = {k.to_user_string(): graph.get(k).group_name for k in graph.get_all_asset_keys()}
+    assert groups == {
+        "raw_instructions": "ingest",
+        "proxy_embeddings": "selection",
+        "balanced_clusters": "selection",
+        "peripheral_subsets": "selection",
+        "shard_manifests": "selection",
+        "trained_checkpoint": "training",
+        "eval_report": "training",
+    }
+    for key in graph.get_all_asset_keys():
+        assert graph.get(key).partitions_def == dg.DynamicPartitionsDefinition(name="datasets")
+    # The chain is linear, in DESIGN.md order.
+    for up, down in zip(STAGES, STAGES[1:]):
+        assert dg.AssetKey(up) in graph.get(dg.AssetKey(down)).parent_keys
+
+
+def test_checks_jobs_and_sensor(definitions):
+    graph = definitions.resolve_asset_graph()
+    checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
+    assert checks == {("balanced_clusters", "capacity"), ("shard_manifests", "equal_shards"),
+                      ("shard_manifests", "coverage"), ("shard_manifests", "weights")}
+    main = definitions.resolve_job_def("main_job")
+    assert main.executor_def.name == "multiprocess"
+    assert set(CPU_QUICK_CONFIG["ops"]) <= set(STAGES)
+    assert [s.name for s in definitions.sensors] == ["dataset_folders_sensor"]
+
+
+def test_main_job_default_config_is_valid(definitions):
+    main = definitions.resolve_job_def("main_job")
+    from dagster._core.system_config.objects import ResolvedRunConfig
+
+    ResolvedRunConfig.build(main, CPU_QUICK_CONFIG)
+
+
+def test_torchrun_command_lines():
+    single = TorchrunResource().command("m.x", 2, ["--config", "c.json"])
+    assert single[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "m.x", "--config", "c.json"]
+    multi = TorchrunResource(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400").command("m.x", 4, [])
+    assert "--nnodes=2" in multi and "--node_rank=1" in multi
+    assert "--rdzv_endpoint=10.0.0.1:29400" in multi and "--standalone" not in multi
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        TorchrunResource(nnodes=2).command("m.x", 1, [])
