@@ -114,3 +114,24 @@ def tiny_data_dir(tmp_path) -> Path:
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     return data
+
+
+def instructions_table(path: Path, records: list[dict], heldout_fraction: float = 0.0):
+    """A raw_instructions Delta table at ``path`` built from Alpaca records."""
+    from cluster_pipeline.core.datasets import build_instruction_table
+    from cluster_pipeline.core.formats import normalise_record
+    from cluster_pipeline.core.tables import write_table
+
+    samples = [normalise_record(r, "mem.jsonl", i + 1) for i, r in enumerate(records)]
+    frame, _ = build_instruction_table(samples, heldout_fraction, None, None, seed=0)
+    return write_table(frame, path)
+
+
+def torchrun(module: str, nproc: int, args: list[str], **kwargs):
+    """Launch ``module`` under torchrun --standalone and wait; returns CompletedProcess."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", module, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)

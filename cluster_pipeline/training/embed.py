@@ -96,6 +96,23 @@ def chunk_path(chunk_dir: Path, index: int) -> Path:
     return chunk_dir / f"chunk_{index:06d}.parquet"
 
 
+def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl.DataFrame:
+    """Concatenate the chunk files of a finished pass, in sample order.
+
+    Raises:
+        FileNotFoundError: a chunk is missing (the pass did not finish).
+        ValueError: the chunks hold other samples than ``sample_ids`` (another pass's files).
+    """
+    n_chunks = math.ceil(len(sample_ids) / chunk_size)
+    missing = [i for i in range(n_chunks) if not chunk_path(chunk_dir, i).exists()]
+    if missing:
+        raise FileNotFoundError(f"{chunk_dir}: chunks {missing[:5]} of {n_chunks} are missing")
+    frame = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(n_chunks)])
+    if frame["sample_id"].to_list() != list(sample_ids):
+        raise ValueError(f"{chunk_dir}: the chunks do not hold the expected samples in order")
+    return frame
+
+
 def read_train_split(uri: str, version: int) -> pl.DataFrame:
     """The training split of a raw_instructions version, in table order."""
     frame = pl.read_delta(uri, version=version, columns=["sample_id", "split", "system", "prompt", "response"])
@@ -159,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
 def _run(cfg: EmbedConfig, env, report) -> None:
     chunk_dir = Path(cfg.chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
+    # Half-written chunks of a killed run were never renamed, so never counted as done.
+    for orphan in chunk_dir.glob(f"chunk_*.tmp-rank{env.rank}"):
+        orphan.unlink(missing_ok=True)
     frame = read_train_split(cfg.instructions_uri, cfg.instructions_version)
     n_chunks = math.ceil(frame.height / cfg.chunk_size)
     mine = [i for i in range(n_chunks) if i % env.world_size == env.rank]
@@ -203,7 +223,7 @@ def _run(cfg: EmbedConfig, env, report) -> None:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
         out = embed_frame(model, tokenizer, rows, cfg, on_batch)
         target = chunk_path(chunk_dir, i)
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)
         os.replace(tmp, target)
     elapsed = time.time() - state["start"]

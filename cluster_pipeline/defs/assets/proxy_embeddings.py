@@ -17,7 +17,12 @@ from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series, wr
 from cluster_pipeline.defs.metadata import table_metadata, upstream_table
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
-from cluster_pipeline.training.embed import EmbedConfig, chunk_path, read_train_split
+from cluster_pipeline.training.embed import (
+    EmbedConfig,
+    chunk_path,
+    gather_chunks,
+    read_train_split,
+)
 
 EMBED_MODULE = "cluster_pipeline.training.embed"
 
@@ -113,10 +118,10 @@ def proxy_embeddings(
     stats_file = chunk_dir / "pass_stats.json"
     pass_stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
 
-    chunks = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(n_chunks)])
-    if chunks["sample_id"].to_list() != train["sample_id"].to_list():
-        raise dg.Failure(f"embedding chunks in {chunk_dir} do not match the training split; "
-                         "re-run with recompute: true")
+    try:
+        chunks = gather_chunks(chunk_dir, train["sample_id"].to_list(), config.chunk_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise dg.Failure(f"{e}; re-run with recompute: true") from e
     ok = chunks["skip_reason"].is_null().to_numpy()
     if not ok.any():
         raise dg.Failure(f"no sample of {dataset!r} has a response token within max_length="

@@ -1,0 +1,48 @@
+"""proxy_embeddings as an asset: cache reuse, recompute, progress in the run log."""
+
+import dagster as dg
+import numpy as np
+import pytest
+
+from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
+from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline_tests.defs.test_pipeline_e2e import meta, read, resources
+
+pytestmark = pytest.mark.slow
+
+
+def _run(instance, data_dir, model_dir, **embed_cfg):
+    cfg = {"ops": {"proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16, **embed_cfg}}}}
+    result = dg.materialize([raw_instructions, proxy_embeddings], partition_key="tiny",
+                            instance=instance, resources=resources(data_dir, model_dir),
+                            run_config=cfg)
+    assert result.success
+    return result
+
+
+def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        first = _run(instance, tiny_data_dir, tiny_model_dir)
+        m1 = meta(instance, "proxy_embeddings")
+        t1 = read(instance, "proxy_embeddings")
+        assert m1["chunks_reused"] == 0 and m1["embedded"] == m1["dagster/row_count"] == 57
+        logs = [e.user_message for e in instance.all_logs(first.run_id)]
+        assert any("embedded" in m and "tokens/s" in m and "ETA" in m for m in logs)
+
+        _run(instance, tiny_data_dir, tiny_model_dir)
+        m2 = meta(instance, "proxy_embeddings")
+        assert m2["chunks_reused"] == 4 and m2["cache_key"] == m1["cache_key"]
+        t2 = read(instance, "proxy_embeddings")
+        assert t2.equals(t1)
+
+        _run(instance, tiny_data_dir, tiny_model_dir, recompute=True)
+        assert meta(instance, "proxy_embeddings")["chunks_reused"] == 0
+        t3 = read(instance, "proxy_embeddings")
+        np.testing.assert_allclose(np.stack(t3["embedding"].to_list()),
+                                   np.stack(t1["embedding"].to_list()), rtol=1e-6)
+
+        # Other settings make another cache entry.
+        _run(instance, tiny_data_dir, tiny_model_dir, max_length=48)
+        assert meta(instance, "proxy_embeddings")["cache_key"] != m1["cache_key"]
