@@ -62,12 +62,11 @@ def capacity(n: int, k: int, alpha: float) -> int:
 
 def squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     """(N, K) float32 squared L2 distances between rows of x (N, d) and centroids (K, d)."""
-    d = (
-        (x * x).sum(axis=1, keepdims=True)
-        - 2.0 * x @ centroids.T
-        + (centroids * centroids).sum(axis=1)[None, :]
-    )
-    return np.maximum(d, 0.0).astype(np.float32)
+    # einsum: row norms without an (N, d) temporary.
+    d = x @ (-2.0 * centroids.T)
+    d += np.einsum("ij,ij->i", x, x)[:, None]
+    d += np.einsum("ij,ij->i", centroids, centroids)[None, :]
+    return np.maximum(d, 0.0, out=d).astype(np.float32, copy=False)
 
 
 def capacity_assignment(sq_dist: np.ndarray, cap: int) -> np.ndarray:
@@ -119,8 +118,12 @@ def capacity_assignment(sq_dist: np.ndarray, cap: int) -> np.ndarray:
     return used.argmax(axis=1).astype(np.int64)
 
 
-def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25):
-    """faiss k-means on rows of x (N, d) float32; returns (K, d) float32 centroids."""
+def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25, max_train_points: int = 65536):
+    """faiss k-means on rows of x (N, d) float32; returns (K, d) float32 centroids.
+
+    Centroids are trained on a seeded sample of at most ``max_train_points`` rows (faiss's own
+    subsampling); every row is then assigned by the caller.
+    """
     import faiss
 
     n, d = x.shape
@@ -131,7 +134,7 @@ def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25):
         seed=seed,
         verbose=False,
         min_points_per_centroid=1,
-        max_points_per_centroid=max(256, math.ceil(n / k)),
+        max_points_per_centroid=max(1, math.ceil(max_train_points / k)),
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
     return km.centroids.astype(np.float32)

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from cluster_pipeline.core.embedding import embed_batch
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
@@ -160,6 +161,7 @@ def embed_frame(model, tokenizer, frame: pl.DataFrame, cfg: EmbedConfig, on_batc
     )
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="EmbedConfig JSON file")

@@ -39,6 +39,7 @@ import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
@@ -51,6 +52,7 @@ from cluster_pipeline.training.distributed import (
 )
 
 SCHEDULES = ("cosine", "linear", "constant")
+TRAINING_STATE = "training_state.pt"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class TrainConfig:
     bf16: bool = False
     reweight: bool = True
     seed: int = 0
+    save_every_steps: int | None = None
+    keep_checkpoints: int = 2
+    resume: bool = True
     provenance: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -91,6 +96,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ValueError(f"TrainConfig.save_every_steps must be >= 1 or null, got {self.save_every_steps}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"TrainConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if not self.manifests:
             raise ValueError("TrainConfig.manifests is empty: give one shard manifest per rank")
 
@@ -176,6 +185,7 @@ def load_shard_samples(cfg: TrainConfig, manifest: ShardManifest) -> pl.DataFram
     return rows
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="TrainConfig JSON file")
@@ -214,7 +224,12 @@ def train(cfg: TrainConfig, env, report) -> None:
 
     torch.manual_seed(cfg.seed + env.rank)
     np.random.seed(cfg.seed + env.rank)
-    model, tokenizer = load_model_and_tokenizer(cfg.model_path, device=str(env.device))
+    checkpoints = CheckpointDir(Path(cfg.output_dir + ".checkpoints"))
+    manifest_hashes = [ShardManifest.read(Path(p)).sha256 for p in cfg.manifests]
+    resume = checkpoints.latest() if cfg.resume else None
+    model, tokenizer = load_model_and_tokenizer(
+        str(resume) if resume else cfg.model_path, device=str(env.device)
+    )
     model.train()
     model.config.use_cache = False
     rows = load_shard_samples(cfg, manifest)
@@ -232,69 +247,92 @@ def train(cfg: TrainConfig, env, report) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, total_steps)
     )
+    step, tokens_seen, elapsed_before, history = 0, 0, 0.0, []
+    if resume is not None:
+        state = torch.load(resume / TRAINING_STATE, weights_only=False)
+        if state["manifest_sha256"] != manifest_hashes:
+            raise ValueError(
+                f"{resume} was trained on other shard manifests; delete {checkpoints.root} "
+                "or set resume: false"
+            )
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"][env.rank])
+        step, tokens_seen = state["step"], state["tokens"]
+        elapsed_before, history = state["elapsed_seconds"], state["history"]
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     report.info(
         f"training {env.world_size} rank(s) x {manifest.n_samples} samples, {total_steps} steps "
         f"(batch {cfg.per_device_batch_size} x accumulation {cfg.gradient_accumulation_steps}); "
         f"rank weights {[round(w, 4) for w in _gather_weights(weight, env)]}"
+        + (f"; resuming from {resume.name}" if resume else "")
     )
 
     metrics_path = Path(cfg.output_dir + ".metrics.jsonl")
-    metrics_file = metrics_path.open("w") if env.is_main else None
-    micro = cfg.per_device_batch_size
-    accumulation = cfg.gradient_accumulation_steps
-    step, start, tokens_seen = 0, time.time(), 0
-    history: list[dict] = []
-    for epoch in range(cfg.epochs):
-        # Epoch 0 follows the manifest's seeded order; later epochs reshuffle it.
-        order = np.arange(len(encoded))
-        if epoch:
-            order = np.random.default_rng(cfg.seed + epoch).permutation(len(encoded))
-        micro_batches = [order[i : i + micro] for i in range(0, len(order), micro)]
-        for s in range(per_epoch):
-            if step >= total_steps:
-                break
-            t0 = time.time()
-            group = micro_batches[s * accumulation : (s + 1) * accumulation]
-            losses, tokens = [], 0
-            for j, idx in enumerate(group):
-                batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
-                batch = {k: v.to(env.device) for k, v in batch.items()}
-                sync = j == len(group) - 1
-                ctx = ddp_model.no_sync() if (dist.is_initialized() and not sync) else nullcontext()
-                with ctx, autocast:
-                    loss, raw, n_tok = weighted_loss(ddp_model, batch, weight, len(group))
-                    loss.backward()
-                losses.append(float(raw))
-                tokens += n_tok
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            mean_loss = float(np.mean(losses))
-            gathered = all_gather_floats([mean_loss, float(tokens), time.time() - t0], env)
-            tokens_seen += int(sum(g[1] for g in gathered))
-            record = {
-                "step": step,
-                "epoch": epoch,
-                "lr": scheduler.get_last_lr()[0],
-                "loss_per_rank": [g[0] for g in gathered],
-                "loss": float(np.mean([g[0] for g in gathered])),
-                "grad_norm": grad_norm,
-                "tokens": int(sum(g[1] for g in gathered)),
-                "step_seconds": max(g[2] for g in gathered),
-                "elapsed_seconds": time.time() - start,
-            }
-            history.append(record)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            report.info(
-                f"step {step}/{total_steps} loss {record['loss']:.4f} "
-                f"(ranks {[round(x, 4) for x in record['loss_per_rank']]}) "
-                f"{record['tokens'] / max(record['step_seconds'], 1e-9):.0f} tokens/s"
-            )
+    metrics_file = None
+    if env.is_main:
+        metrics_file = metrics_path.open("w")
+        metrics_file.writelines(json.dumps(r) + "\n" for r in history)
+    plan = step_plan(len(encoded), cfg, total_steps)
+    start = time.time() - elapsed_before
+    while step < total_steps:
+        t0 = time.time()
+        epoch, group = plan[step]
+        losses, tokens = [], 0
+        for j, idx in enumerate(group):
+            batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
+            batch = {k: v.to(env.device) for k, v in batch.items()}
+            sync = j == len(group) - 1
+            ctx = ddp_model.no_sync() if (dist.is_initialized() and not sync) else nullcontext()
+            with ctx, autocast:
+                loss, raw, n_tok = weighted_loss(ddp_model, batch, weight, len(group))
+                loss.backward()
+            losses.append(float(raw))
+            tokens += n_tok
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        gathered = all_gather_floats([float(np.mean(losses)), float(tokens), time.time() - t0], env)
+        tokens_seen += int(sum(g[1] for g in gathered))
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "lr": scheduler.get_last_lr()[0],
+            "loss_per_rank": [g[0] for g in gathered],
+            "loss": float(np.mean([g[0] for g in gathered])),
+            "grad_norm": grad_norm,
+            "tokens": int(sum(g[1] for g in gathered)),
+            "step_seconds": max(g[2] for g in gathered),
+            "elapsed_seconds": time.time() - start,
+        }
+        history.append(record)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        report.info(
+            f"step {step}/{total_steps} loss {record['loss']:.4f} "
+            f"(ranks {[round(x, 4) for x in record['loss_per_rank']]}) "
+            f"{record['tokens'] / max(record['step_seconds'], 1e-9):.0f} tokens/s"
+        )
+        if cfg.save_every_steps and step % cfg.save_every_steps == 0 and step < total_steps:
+            rng = _gather_objects(torch.get_rng_state(), env)
+            if env.is_main:
+                state = {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng,
+                    "step": step,
+                    "tokens": tokens_seen,
+                    "elapsed_seconds": time.time() - start,
+                    "history": history,
+                    "manifest_sha256": manifest_hashes,
+                }
+                path = checkpoints.save(model, tokenizer, step, state, cfg.keep_checkpoints)
+                report.info(f"saved {path}")
+            if dist.is_initialized():
+                dist.barrier()
     train_seconds = time.time() - start
     if metrics_file is not None:
         metrics_file.close()
@@ -303,16 +341,17 @@ def train(cfg: TrainConfig, env, report) -> None:
         info = {
             "base_model": cfg.model_path,
             "manifests": [
-                {"rank": r, "path": p, "sha256": ShardManifest.read(Path(p)).sha256}
-                for r, p in enumerate(cfg.manifests)
+                {"rank": r, "path": p, "sha256": h}
+                for r, (p, h) in enumerate(zip(cfg.manifests, manifest_hashes))
             ],
             "config": asdict(cfg),
             "git_commit": _git_commit(),
             "world_size": env.world_size,
             "steps": step,
+            "resumed_from_step": int(resume.name.split("_")[-1]) if resume else None,
             "train_seconds": train_seconds,
             "tokens": tokens_seen,
-            "final_loss": history[-1]["loss"] if history else None,
+            "final_loss": history[-1]["loss"] if history else float("nan"),
         }
         save_checkpoint(model, tokenizer, Path(cfg.output_dir), info)
         report.materialization(
@@ -322,7 +361,7 @@ def train(cfg: TrainConfig, env, report) -> None:
                 "train_seconds": round(train_seconds, 2),
                 "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
                 "final_loss": info["final_loss"],
-                "manifest_sha256": [m["sha256"] for m in info["manifests"]],
+                "manifest_sha256": manifest_hashes,
                 "metrics_path": str(metrics_path),
             }
         )
@@ -330,19 +369,73 @@ def train(cfg: TrainConfig, env, report) -> None:
         dist.barrier()
 
 
+def step_plan(n_samples: int, cfg: TrainConfig, total_steps: int) -> list[tuple[int, list[np.ndarray]]]:
+    """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
+    that a resumed run sees exactly the batches the interrupted one would have. Epoch 0 follows
+    the manifest's seeded order; later epochs reshuffle it with seed + epoch."""
+    per_epoch = steps_per_epoch(n_samples, cfg.per_device_batch_size, cfg.gradient_accumulation_steps)
+    plan = []
+    for epoch in range(cfg.epochs):
+        order = np.arange(n_samples)
+        if epoch:
+            order = np.random.default_rng(cfg.seed + epoch).permutation(n_samples)
+        micro = [order[i : i + cfg.per_device_batch_size]
+                 for i in range(0, n_samples, cfg.per_device_batch_size)]
+        acc = cfg.gradient_accumulation_steps
+        plan += [(epoch, micro[s * acc : (s + 1) * acc]) for s in range(per_epoch)]
+    return plan[:total_steps]
+
+
+def _gather_objects(obj, env) -> list:
+    if env.world_size == 1 or not dist.is_initialized():
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _gather_weights(weight: float, env) -> list[float]:
     return [g[0] for g in all_gather_floats([weight], env)]
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path, info: dict) -> None:
-    """``save_pretrained`` (safetensors) + tokenizer + ``training_info.json`` into ``out_dir``,
-    atomically: written to a temporary sibling folder, then renamed over ``out_dir``."""
+class CheckpointDir:
+    """Intermediate checkpoints ``step_<n>/`` under ``root``: each a save_pretrained folder plus
+    ``training_state.pt`` (optimizer, scheduler, step, every rank's RNG state, loss history).
+    A folder exists only once complete (see :func:`save_checkpoint`)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def all(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        done = [p for p in self.root.glob("step_*") if (p / TRAINING_STATE).exists()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[-1]))
+
+    def latest(self) -> Path | None:
+        found = self.all()
+        return found[-1] if found else None
+
+    def save(self, model, tokenizer, step: int, state: dict, keep: int) -> Path:
+        path = self.root / f"step_{step:07d}"
+        save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
+        for old in self.all()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+
+def save_checkpoint(model, tokenizer, out_dir: Path, info: dict, extra: dict | None = None) -> None:
+    """``save_pretrained`` (safetensors) + tokenizer + ``training_info.json`` (+ ``extra`` objects
+    saved with ``torch.save``) into ``out_dir``, atomically: written to a temporary sibling
+    folder, then renamed over ``out_dir``, so a killed save leaves no half checkpoint."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "training_info.json").write_text(json.dumps(info, indent=1, default=str))
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)

@@ -99,3 +99,15 @@ def test_l2_normalise_gives_unit_rows_and_keeps_zero_rows():
     x = np.array([[3.0, 4.0], [0.0, 0.0]], dtype=np.float32)
     out = l2_normalise(x)
     np.testing.assert_allclose(out, [[0.6, 0.8], [0.0, 0.0]])
+
+
+def test_bf16_autocast_stays_close_to_float32(tiny_model, tiny_tokenizer):
+    encoded = [encode_sample(tiny_tokenizer, *s, max_length=128) for s in SAMPLES]
+    batch = collate(encoded, tiny_tokenizer.pad_token_id)
+    full = embed_batch(tiny_model, batch)
+    half = embed_batch(tiny_model, batch, autocast_dtype=torch.bfloat16)
+    assert half.embedding.dtype == np.float32
+    cos = (full.embedding * half.embedding).sum(1) / (
+        np.linalg.norm(full.embedding, axis=1) * np.linalg.norm(half.embedding, axis=1))
+    assert (cos > 0.99).all()
+    np.testing.assert_allclose(half.mean_loss, full.mean_loss, rtol=0.02)

@@ -38,6 +38,11 @@ class TrainedCheckpointConfig(dg.Config):
     reweight: bool = Field(default=True, description="Multiply rank c's loss by w_c = n_c K / N "
                            "(DESIGN.md step 5); off = plain balanced training.")
     seed: int = Field(default=0, description="Training seed (rank r uses seed + r).")
+    save_every_steps: int | None = Field(default=None, ge=1, description="Save a resumable "
+                                         "checkpoint every N optimizer steps (None = only at the end).")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
+    resume: bool = Field(default=True, description="Resume from the latest intermediate "
+                         "checkpoint of the same manifests and config, if one exists.")
 
 
 @dg.asset(

@@ -1,0 +1,163 @@
+"""The torchrun training entry: re-weighting equals the stratified gradient, resume after a
+kill reaches the same weights, and unequal shards are refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster_pipeline.core.sharding import ShardManifest
+from cluster_pipeline.core.tokenization import collate, encode_sample
+from cluster_pipeline.training.train import TrainConfig, lr_lambda, step_plan, steps_per_epoch
+from cluster_pipeline_tests.conftest import (
+    build_tokenizer,
+    instructions_table,
+    tiny_records,
+    torchrun,
+)
+
+TRAIN = "cluster_pipeline.training.train"
+
+
+def _setup(tmp_path, model_dir, weights, per_rank, **cfg_kw):
+    records = tiny_records(40)
+    table = instructions_table(tmp_path / "raw", records)
+    import polars as pl
+
+    ids = pl.read_delta(table.uri)["sample_id"].to_list()
+    manifests = []
+    for r, w in enumerate(weights):
+        m = ShardManifest("t", r, len(weights), "peripheral", w, 0,
+                          tuple(ids[r * per_rank : (r + 1) * per_rank]))
+        manifests.append(str(m.write(tmp_path / "shards")))
+    cfg = TrainConfig(model_path=str(model_dir), instructions_uri=table.uri,
+                      instructions_version=table.version, manifests=manifests,
+                      output_dir=str(tmp_path / "ckpt"), max_length=64, **cfg_kw)
+    cfg.dump(tmp_path / "train.json")
+    return cfg, table
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir):
+    # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
+    cfg, table = _setup(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2,
+                        per_device_batch_size=2, max_steps=1, learning_rate=1e-3,
+                        warmup_ratio=0.0, schedule="constant", max_grad_norm=1e9)
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp = _weights(Path(cfg.output_dir))
+
+    # One process: g = sum_c (n_c / N) g_c, g_c the mean-token-loss gradient of shard c.
+    from cluster_pipeline.core.modeling import load_model_and_tokenizer
+
+    import polars as pl
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    model.train()
+    rows = pl.read_delta(table.uri)
+    grads = []
+    for path in cfg.manifests:
+        m = ShardManifest.read(Path(path))
+        sub = rows.filter(pl.col("sample_id").is_in(m.sample_ids))
+        sub = sub.join(pl.DataFrame({"sample_id": list(m.sample_ids)}).with_row_index("i"),
+                       on="sample_id").sort("i")
+        enc = [encode_sample(tok, s, p, r, 64) for s, p, r in zip(sub["system"], sub["prompt"], sub["response"])]
+        batch = collate(enc, tok.pad_token_id)
+        model.zero_grad()
+        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for n, p in model.named_parameters():
+        p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ddp[n], p.detach(), rtol=1e-5, atol=1e-5)
+    # And it is not the unweighted average (the test can tell the two apart).
+    unweighted = {n: 0.5 * grads[0][n] + 0.5 * grads[1][n] for n in grads[0]}
+    assert any(not torch.allclose(unweighted[n], 0.75 * grads[0][n] + 0.25 * grads[1][n])
+               for n in grads[0])
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
+    common = dict(per_device_batch_size=2, epochs=3, learning_rate=5e-3, save_every_steps=2)
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref_cfg, _ = _setup(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    assert torchrun(TRAIN, 2, ["--config", str(ref_dir / "train.json")]).returncode == 0
+
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    cut_cfg, _ = _setup(cut_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", TRAIN, "--config", str(cut_dir / "train.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ckpts = Path(cut_cfg.output_dir + ".checkpoints")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpts / "step_0000004" / "training_state.pt").exists():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not Path(cut_cfg.output_dir).exists(), "the kill must land before the end"
+    done = torchrun(TRAIN, 2, ["--config", str(cut_dir / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((Path(cut_cfg.output_dir) / "training_info.json").read_text())
+    assert info["resumed_from_step"] >= 4 and info["steps"] == 15
+    ref, cut = _weights(Path(ref_cfg.output_dir)), _weights(Path(cut_cfg.output_dir))
+    for name in ref:
+        torch.testing.assert_close(cut[name], ref[name], rtol=1e-6, atol=1e-7)
+    ref_loss = [json.loads(x)["loss"] for x in Path(ref_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()]
+    cut_loss = [json.loads(x)["loss"] for x in Path(cut_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(cut_loss, ref_loss, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_unequal_shards_are_refused_before_training(tmp_path, tiny_model_dir):
+    records_cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
+    path = Path(records_cfg.manifests[1])
+    m = ShardManifest.read(path)
+    ShardManifest(m.dataset, 1, 2, m.selector, m.weight, 0, m.sample_ids[:2]).write(path.parent)
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode != 0
+    assert "different numbers of optimizer steps" in done.stderr
+
+
+def test_schedule_and_plan():
+    f = lr_lambda("cosine", warmup_steps=2, total_steps=10)
+    assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    g = lr_lambda("linear", 0, 4)
+    assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert steps_per_epoch(10, 2, 2) == 3
+    cfg = TrainConfig("m", "u", 0, ["a"], "o", per_device_batch_size=2,
+                      gradient_accumulation_steps=2, epochs=2)
+    plan = step_plan(10, cfg, 6)
+    assert len(plan) == 6 and [e for e, _ in plan] == [0, 0, 0, 1, 1, 1]
+    assert sorted(np.concatenate([b for _, g in plan[:3] for b in g]).tolist()) == list(range(10))
+    assert [len(g) for _, g in plan[:3]] == [2, 2, 1]
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("learning_rate", 0.0, "learning_rate"),
+    ("schedule", "step", "schedule"),
+    ("per_device_batch_size", 0, "per_device_batch_size"),
+    ("manifests", [], "manifests"),
+])
+def test_config_errors_name_the_option(field, value, match):
+    kwargs = dict(model_path="m", instructions_uri="u", instructions_version=0, manifests=["a"],
+                  output_dir="o")
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs).validate()
