@@ -39,7 +39,11 @@ def run_mode(args) -> dict:
     import torch
 
     from cluster_pipeline.core.embedding import embed_batch
-    from cluster_pipeline.core.modeling import BUILTIN_MODEL, load_model_and_tokenizer, resolve_model
+    from cluster_pipeline.core.modeling import (
+        BUILTIN_MODEL,
+        load_model_and_tokenizer,
+        resolve_model,
+    )
 
     path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     model, tokenizer = load_model_and_tokenizer(path)

@@ -25,14 +25,13 @@ def rss_mib() -> float:
 
 
 def run(n: int, d: int, k: int, seed: int) -> dict:
+    import faiss  # noqa: F401  (load every library before the baseline reading)
     import numpy as np
+    from ortools.graph.python import min_cost_flow  # noqa: F401
 
     from cluster_pipeline.core.clustering import balanced_kmeans
     from cluster_pipeline.core.selection import select
     from cluster_pipeline.core.sharding import allocate
-
-    import faiss  # noqa: F401  (load every library before the baseline reading)
-    from ortools.graph.python import min_cost_flow  # noqa: F401
 
     base_rss = rss_mib()
     rng = np.random.default_rng(seed)

@@ -76,15 +76,19 @@ class TorchrunResource(dg.ConfigurableResource):
     )
     rdzv_id: str = Field(default="cluster_pipeline", description="Rendezvous job id.")
 
-    def command(self, module: str, nproc_per_node: int, args: list[str]) -> list[str]:
-        """The torchrun command line running ``python -m module args`` on every rank.
+    def command(self, module: str, nproc_per_node: int, args: list[str],
+                log_dir: Path | None = None) -> list[str]:
+        """The torchrun command line running ``python -m module args`` on every rank. With
+        ``log_dir``, every rank's stdout/stderr is also written (``--tee``) under it, so a failed
+        rank's log can be shown (see :func:`rank_failures`).
 
         Raises:
             ValueError: nnodes > 1 without a rendezvous endpoint.
         """
         if nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
-        launcher = [sys.executable, "-m", "torch.distributed.run"]
+        # torchrun, wrapped so that it dies with the Dagster step that launched it.
+        launcher = [sys.executable, "-m", "cluster_pipeline.training.launch"]
         if self.nnodes == 1 and not self.rdzv_endpoint:
             launcher += ["--standalone"]
         else:
@@ -97,4 +101,30 @@ class TorchrunResource(dg.ConfigurableResource):
                 f"--rdzv_endpoint={self.rdzv_endpoint}",
                 f"--rdzv_id={self.rdzv_id}",
             ]
+        if log_dir is not None:
+            launcher += [f"--log-dir={log_dir}", "--redirects=3", "--tee=3"]
         return [*launcher, f"--nproc_per_node={nproc_per_node}", "-m", module, *args]
+
+
+def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
+    """Per-rank error summaries of a torchrun launch: for each rank that wrote an ``error.json``
+    (ranks whose entry point is wrapped in ``@record``), its message and traceback; else the tail
+    of its stderr. Keys are ``rank_<local rank>``; ranks that logged nothing are left out."""
+    import json
+
+    out: dict[str, str] = {}
+    for rank_dir in sorted(p for p in log_dir.glob("*/attempt_*/*") if p.is_dir()):
+        text = ""
+        error = rank_dir / "error.json"
+        if error.exists():
+            try:
+                msg = json.loads(error.read_text())["message"]
+                text = f"{msg.get('message', '')}\n{msg.get('extraInfo', {}).get('py_callstack', '')}"
+            except (ValueError, KeyError, TypeError, AttributeError):
+                text = error.read_text()
+        stderr = rank_dir / "stderr.log"
+        if not text.strip() and stderr.exists():
+            text = stderr.read_text(errors="replace")
+        if text.strip() and ("Error" in text or "Traceback" in text):
+            out[f"rank_{rank_dir.name}"] = text[-tail_chars:]
+    return out

@@ -4,11 +4,8 @@ parent, and a rank-0-only channel back to Dagster through Pipes."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_PR_SET_PDEATHSIG = 1
+from cluster_pipeline.training.fate import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -36,14 +33,6 @@ class DistEnv:
         if torch.cuda.is_available():
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the torchrun agent) dies, so that no
-    rank outlives a killed launcher. A no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def init_distributed(timeout_s: float = 600.0) -> DistEnv:

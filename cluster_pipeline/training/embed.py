@@ -17,7 +17,13 @@ killed run restarted with the same config embeds only the missing chunks. The ``
 asset gathers the chunks, in order, into one Delta table.
 """
 
-from __future__ import annotations
+if __name__ == "__main__":
+    # Before torch loads (seconds): a rank must not outlive a launcher killed meanwhile.
+    from cluster_pipeline.training.fate import die_with_parent
+
+    die_with_parent()
+
+
 
 import argparse
 import json
@@ -79,7 +85,7 @@ class EmbedConfig:
             raise ValueError(f"EmbedConfig.max_length must be >= 2, got {self.max_length}")
 
     @classmethod
-    def load(cls, path: str | Path) -> EmbedConfig:
+    def load(cls, path: str | Path) -> "EmbedConfig":
         raw = json.loads(Path(path).read_text())
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known

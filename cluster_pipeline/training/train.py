@@ -21,10 +21,15 @@ the tokenizer, written to a temporary folder and renamed, plus ``training_info.j
 manifests' content hashes, the base model and the config.
 """
 
-from __future__ import annotations
+if __name__ == "__main__":
+    # Before torch loads (seconds): a rank must not outlive a launcher killed meanwhile.
+    from cluster_pipeline.training.fate import die_with_parent
+
+    die_with_parent()
+
+
 
 import argparse
-from contextlib import nullcontext
 import json
 import math
 import os
@@ -32,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -104,7 +110,7 @@ class TrainConfig:
             raise ValueError("TrainConfig.manifests is empty: give one shard manifest per rank")
 
     @classmethod
-    def load(cls, path: str | Path) -> TrainConfig:
+    def load(cls, path: str | Path) -> "TrainConfig":
         raw = json.loads(Path(path).read_text())
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:

@@ -52,7 +52,7 @@ def test_main_job_default_config_is_valid(definitions):
 
 def test_torchrun_command_lines():
     single = TorchrunResource().command("m.x", 2, ["--config", "c.json"])
-    assert single[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    assert single[1:] == ["-m", "cluster_pipeline.training.launch", "--standalone", "--nproc_per_node=2",
                           "-m", "m.x", "--config", "c.json"]
     multi = TorchrunResource(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400").command("m.x", 4, [])
     assert "--nnodes=2" in multi and "--node_rank=1" in multi

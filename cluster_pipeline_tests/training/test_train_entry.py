@@ -18,7 +18,6 @@ from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import collate, encode_sample
 from cluster_pipeline.training.train import TrainConfig, lr_lambda, step_plan, steps_per_epoch
 from cluster_pipeline_tests.conftest import (
-    build_tokenizer,
     instructions_table,
     tiny_records,
     torchrun,
@@ -60,9 +59,9 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
     ddp = _weights(Path(cfg.output_dir))
 
     # One process: g = sum_c (n_c / N) g_c, g_c the mean-token-loss gradient of shard c.
-    from cluster_pipeline.core.modeling import load_model_and_tokenizer
-
     import polars as pl
+
+    from cluster_pipeline.core.modeling import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     model.train()

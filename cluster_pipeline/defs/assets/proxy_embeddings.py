@@ -14,6 +14,7 @@ from pydantic import Field
 
 from cluster_pipeline.core.embedding import l2_normalise
 from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series, write_table
+from cluster_pipeline.defs.launch import run_torchrun
 from cluster_pipeline.defs.metadata import table_metadata, upstream_table
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
@@ -108,10 +109,8 @@ def proxy_embeddings(
         )
         cfg_path = chunk_dir / "embed_config.json"
         embed_cfg.dump(cfg_path)
-        pipes_subprocess_client.run(
-            context=context,
-            command=torchrun.command(EMBED_MODULE, config.world_size, ["--config", str(cfg_path)]),
-        )
+        run_torchrun(context, pipes_subprocess_client, torchrun, EMBED_MODULE,
+                     config.world_size, cfg_path)
     else:
         context.log.info(f"all {n_chunks} chunks cached under {chunk_dir}; nothing to embed")
     # Timings of the pass that computed these embeddings (an earlier run's when cached).

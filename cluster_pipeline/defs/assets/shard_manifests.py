@@ -15,7 +15,6 @@ from cluster_pipeline.defs.metadata import latest_metadata, table_metadata, upst
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import StorageResource
 
-
 CHECKS = {
     "equal_shards": "Every rank holds the same number of samples (else DDP hangs).",
     "coverage": "Every selected sample (with its copies) is in exactly one shard position.",

@@ -1,6 +1,7 @@
 """Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
 
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import dagster as dg
 from pydantic import Field
 
 from cluster_pipeline.core import plots
+from cluster_pipeline.defs.launch import run_torchrun
 from cluster_pipeline.defs.metadata import latest_metadata
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
@@ -75,7 +77,12 @@ def trained_checkpoint(
         raise dg.Failure(f"{world_size} ranks cannot be split over {torchrun.nnodes} nodes")
     model_path = base_model.local_path(storage)
     run_dir = storage.work_dir("checkpoints", dataset)
-    output_dir = run_dir / f"{shards['manifest_set_sha256'][:12]}-{context.run.run_id[:8]}"
+    # Same manifests, data, model and settings -> same folder, so a re-executed run resumes
+    # from the interrupted one's latest checkpoint.
+    settings = json.dumps([model_path, instructions["table_version"], config.model_dump()],
+                          sort_keys=True)
+    output_dir = run_dir / (f"{shards['manifest_set_sha256'][:12]}-"
+                            f"{hashlib.sha256(settings.encode()).hexdigest()[:8]}")
     train_cfg = TrainConfig(
         model_path=model_path,
         instructions_uri=str(instructions["table_uri"]),
@@ -89,11 +96,8 @@ def trained_checkpoint(
     train_cfg.validate()
     cfg_path = run_dir / f"{output_dir.name}.config.json"
     train_cfg.dump(cfg_path)
-    result = pipes_subprocess_client.run(
-        context=context,
-        command=torchrun.command(TRAIN_MODULE, world_size // torchrun.nnodes,
-                                 ["--config", str(cfg_path)]),
-    ).get_materialize_result()
+    result = run_torchrun(context, pipes_subprocess_client, torchrun, TRAIN_MODULE,
+                          world_size // torchrun.nnodes, cfg_path).get_materialize_result()
     seconds = time.perf_counter() - start
 
     history = [json.loads(line) for line in Path(f"{output_dir}.metrics.jsonl").read_text().splitlines()]

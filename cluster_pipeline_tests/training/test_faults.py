@@ -1,0 +1,80 @@
+"""Faults: a failing rank ends the launch, and no rank outlives its launcher."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster_pipeline_tests.training.test_train_entry import _setup
+
+pytestmark = pytest.mark.slow
+LAUNCH = [sys.executable, "-m", "cluster_pipeline.training.launch", "--standalone",
+          "--nproc_per_node=2", "-m", "cluster_pipeline.training.train"]
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    tree = [tuple(map(int, line.split())) for line in out.splitlines() if line.strip()]
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in tree if p in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _wait_for_ranks(proc, n=2, timeout=60) -> set[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        kids = _children(proc.pid)
+        ranks = {k for k in kids if "cluster_pipeline.training.train" in
+                 Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="ignore").replace("\0", " ")
+                 and k != proc.pid} if kids else set()
+        if len(ranks) >= n:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError("ranks did not start")
+
+
+def test_an_exception_on_one_rank_ends_the_launch_quickly(tmp_path, tiny_model_dir):
+    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
+    manifest = Path(cfg.manifests[1])
+    manifest.write_text(manifest.read_text().replace('"rank": 1', '"rank": 1, "bogus": 0'))
+    start = time.time()
+    done = subprocess.run([*LAUNCH, "--config", str(tmp_path / "train.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and time.time() - start < 60
+    assert "unexpected keyword argument 'bogus'" in done.stderr
+
+
+@pytest.mark.parametrize("victim", ["launcher", "parent_of_launcher"])
+def test_no_rank_survives_a_killed_launcher_or_step(tmp_path, tiny_model_dir, victim):
+    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1,
+                    epochs=50)
+    cmd = [*LAUNCH, "--config", str(tmp_path / "train.json")]
+    if victim == "parent_of_launcher":
+        # Stands in for the Dagster step process: it starts the launcher, then is SIGKILLed.
+        cmd = [sys.executable, "-c",
+               "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)", *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _wait_for_ranks(proc)
+    everyone = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in everyone):
+        time.sleep(0.2)
+    survivors = [p for p in everyone if _alive(p)]
+    assert ranks and not survivors, f"still running: {survivors}"
