@@ -31,12 +31,16 @@ def run_torchrun(
         return pipes_client.run(context=context, command=command)
     except DagsterPipesExecutionError as e:
         failures = rank_failures(log_dir)
-        first = next(iter(failures.values()), "").strip().splitlines()
+        if failures:
+            rank, text = next(iter(failures.items()))
+            cause = f"{rank} failed first: {text.strip().splitlines()[0]}"
+            others = [r for r in failures if r != rank]
+            if others:
+                cause += f" (then {', '.join(others)})"
+        else:
+            cause = str(e)
         raise dg.Failure(
-            description=(
-                f"{module} failed on {', '.join(failures) or 'an unknown rank'}: "
-                f"{first[-1] if first else e}. Per-rank logs: {log_dir}"
-            ),
+            description=f"{module}: {cause}. Per-rank logs: {log_dir}",
             metadata={
                 **{name: dg.MetadataValue.md(f"```\n{text}\n```") for name, text in failures.items()},
                 "log_dir": dg.MetadataValue.path(str(log_dir)),

@@ -2,6 +2,7 @@
 
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -106,25 +107,39 @@ class TorchrunResource(dg.ConfigurableResource):
         return [*launcher, f"--nproc_per_node={nproc_per_node}", "-m", module, *args]
 
 
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|remote worker crash|Connection reset by peer|Broken pipe|"
+    r"remote process exited|NCCL communicator was aborted"
+)
+
+
 def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
-    """Per-rank error summaries of a torchrun launch: for each rank that wrote an ``error.json``
-    (ranks whose entry point is wrapped in ``@record``), its message and traceback; else the tail
-    of its stderr. Keys are ``rank_<local rank>``; ranks that logged nothing are left out."""
+    """Per-rank error summaries of a torchrun launch, the first failure first.
+
+    For each rank that wrote an ``error.json`` (entry points wrapped in ``@record``): its
+    message and traceback, ordered by the time it failed, so the root cause leads and the
+    ranks that merely lost their peer follow. Ranks without one contribute the tail of a stderr
+    that shows a traceback. Keys are ``rank_<local rank>``.
+    """
     import json
 
-    out: dict[str, str] = {}
+    found: list[tuple[tuple[bool, float], str, str]] = []
+    never = float("inf")
     for rank_dir in sorted(p for p in log_dir.glob("*/attempt_*/*") if p.is_dir()):
-        text = ""
-        error = rank_dir / "error.json"
+        error, stderr = rank_dir / "error.json", rank_dir / "stderr.log"
         if error.exists():
             try:
-                msg = json.loads(error.read_text())["message"]
-                text = f"{msg.get('message', '')}\n{msg.get('extraInfo', {}).get('py_callstack', '')}"
+                body = json.loads(error.read_text())["message"]
+                info = body.get("extraInfo", {})
+                text = f"{body.get('message', '')}\n{info.get('py_callstack', '')}"
             except (ValueError, KeyError, TypeError, AttributeError):
                 text = error.read_text()
-        stderr = rank_dir / "stderr.log"
-        if not text.strip() and stderr.exists():
+            # A rank that only lost its peer is a consequence, not the cause; among the rest,
+            # the file's mtime orders (error.json's timestamp has 1 s resolution).
+            when = (_PEER_LOST.search(text) is not None, error.stat().st_mtime_ns)
+            found.append((when, f"rank_{rank_dir.name}", text[-tail_chars:]))
+        elif stderr.exists():
             text = stderr.read_text(errors="replace")
-        if text.strip() and ("Error" in text or "Traceback" in text):
-            out[f"rank_{rank_dir.name}"] = text[-tail_chars:]
-    return out
+            if "Traceback" in text:
+                found.append(((True, never), f"rank_{rank_dir.name}", text[-tail_chars:]))
+    return {name: text for _, name, text in sorted(found)}

@@ -174,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = EmbedConfig.load(args.config)
     env = init_distributed()
-    try:
-        with reporter(env) as report:
-            _run(cfg, env, report)
-    finally:
-        shutdown_distributed()
+    # On success, leave the process group cleanly; on an error, exit without tearing it down
+    # first, so the peers' errors do not race ahead of this rank's own (see @record).
+    with reporter(env) as report:
+        _run(cfg, env, report)
+    shutdown_distributed()
 
 
 def _run(cfg: EmbedConfig, env, report) -> None:

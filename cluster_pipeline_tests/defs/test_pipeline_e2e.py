@@ -119,3 +119,30 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         checks = result.get_asset_check_evaluations()
         assert {c.check_name for c in checks} == {"capacity", "equal_shards", "coverage", "weights"}
         assert all(c.passed for c in checks)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model_dir):
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        ok = dg.materialize(ASSETS[:5], partition_key="tiny", instance=instance,
+                            resources=resources(tiny_data_dir, tiny_model_dir), run_config={
+                                "ops": {k: v for k, v in RUN_CONFIG["ops"].items()
+                                        if k in {a.key.to_user_string() for a in ASSETS[:5]}}})
+        assert ok.success
+        before = read(instance, "shard_manifests")
+        path = Path(meta(instance, "shard_manifests")["manifest_paths"][1])
+        path.write_text(path.read_text().replace('"weight"', '"weight_typo"', 1))
+        failed = dg.materialize(
+            [trained_checkpoint], partition_key="tiny", instance=instance,
+            resources=resources(tiny_data_dir, tiny_model_dir), raise_on_error=False,
+            run_config={"ops": {"trained_checkpoint": RUN_CONFIG["ops"]["trained_checkpoint"]}},
+        )
+        assert not failed.success
+        failure = next(e for e in failed.all_events if e.is_step_failure)
+        data = failure.step_failure_data.user_failure_data
+        assert "rank_1" in data.description and "weight_typo" in data.description
+        assert "rank_1 failed first" in data.description
+        assert "weight_typo" in data.metadata["rank_1"].value
+        # Earlier tables are intact and readable.
+        assert read(instance, "shard_manifests").equals(before)
