@@ -78,3 +78,29 @@ def test_no_rank_survives_a_killed_launcher_or_step(tmp_path, tiny_model_dir, vi
         time.sleep(0.2)
     survivors = [p for p in everyone if _alive(p)]
     assert ranks and not survivors, f"still running: {survivors}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir):
+    from cluster_pipeline.defs.resources import TorchrunResource
+
+    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, per_device_batch_size=2,
+                    max_steps=1)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for node_rank in (0, 1):
+        cmd = TorchrunResource(nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint,
+                               rdzv_id="test2nodes").command(
+            "cluster_pipeline.training.train", 1, ["--config", str(tmp_path / "train.json")])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    info = (Path(cfg.output_dir) / "training_info.json").read_text()
+    assert '"world_size": 2' in info and '"steps": 1' in info

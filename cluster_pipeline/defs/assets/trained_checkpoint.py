@@ -102,6 +102,9 @@ def trained_checkpoint(
 
     history = [json.loads(line) for line in Path(f"{output_dir}.metrics.jsonl").read_text().splitlines()]
     info = json.loads((output_dir / "training_info.json").read_text())
+    selection_s = float(latest_metadata(context, "proxy_embeddings").get("embedding_seconds", 0.0))
+    selection_s += sum(float(latest_metadata(context, a).get("seconds", 0.0))
+                       for a in ("balanced_clusters", "peripheral_subsets", "shard_manifests"))
     curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
     return dg.MaterializeResult(
         metadata={
@@ -115,6 +118,12 @@ def trained_checkpoint(
             "seconds": round(seconds, 2),
             "train_seconds": round(info["train_seconds"], 2),
             "samples_per_rank": int(shards["shard_size"]),
+            "selection_seconds": round(selection_s, 2),
+            "selection_vs_training": dg.MetadataValue.md(
+                "| stage | seconds |\n|---|---|\n"
+                f"| selection (embedding pass + clustering + subsets + shards) | {selection_s:.1f} |\n"
+                f"| training | {info['train_seconds']:.1f} |\n"
+            ),
             "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
         },
     )
