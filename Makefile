@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 # The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
 run: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/python -m cluster_pipeline.datasets sync
+	$(BIN)/python -m cluster_pipeline.datasets sync --require $(DATASET)
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
 		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
 	@echo "report: data/reports/$(DATASET)/eval_report.md"

@@ -1,7 +1,8 @@
 """Register dataset partitions without the Dagster daemon.
 
-    python -m cluster_pipeline.datasets          # list datasets found and registered
-    python -m cluster_pipeline.datasets sync     # add a partition for each dataset found
+    python -m cluster_pipeline.datasets                      # list datasets and their state
+    python -m cluster_pipeline.datasets sync                 # add a partition per dataset found
+    python -m cluster_pipeline.datasets sync --require NAME  # ... and fail unless NAME exists
 
 The ``dataset_folders_sensor`` does the same while ``dagster dev`` runs.
 """
@@ -9,6 +10,7 @@ The ``dataset_folders_sensor`` does the same while ``dagster dev`` runs.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from cluster_pipeline.core.datasets import discover_datasets
@@ -22,17 +24,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="List or register dataset partitions.")
     parser.add_argument("command", nargs="?", choices=["list", "sync"], default="list")
     parser.add_argument("--data-dir", default=default_data_dir())
+    parser.add_argument("--require", metavar="NAME", help="exit with an error unless dataset "
+                        "NAME is found (built in, or a folder data/raw/NAME/ with data files)")
     args = parser.parse_args(argv)
-    found = discover_datasets(Path(args.data_dir) / "raw")
+    raw_dir = Path(args.data_dir) / "raw"
+    found = discover_datasets(raw_dir)
+    if args.require and args.require not in found:
+        sys.exit(
+            f"dataset {args.require!r} not found: no folder {raw_dir / args.require} with .json, "
+            f".jsonl or .parquet files. Datasets found: {', '.join(found)}."
+        )
     with dg.DagsterInstance.get() as instance:
         known = set(instance.get_dynamic_partitions(dataset_partitions.name))
+        new = [n for n in found if n not in known]
         if args.command == "sync":
-            new = [n for n in found if n not in known]
             if new:
                 instance.add_dynamic_partitions(dataset_partitions.name, new)
-            known |= set(new)
+                print(f"registered new dataset partitions: {', '.join(new)}")
+            else:
+                print(f"dataset partitions up to date: {', '.join(found)}")
+            return
         for name in found:
-            print(f"{name}\t{'registered' if name in known else 'not registered (run sync)'}")
+            print(f"{name}\t{'not registered (run sync)' if name in new else 'registered'}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
     folder = raw_dir / dataset
     if not folder.is_dir():
         raise FileNotFoundError(
-            f"dataset {dataset!r}: no folder {folder}. Create it and put .json/.jsonl/.parquet "
+            f"no folder {folder}. Create it and put .json/.jsonl/.parquet "
             f"files in it, or use the built-in {STDLIB_DATASET!r}."
         )
     return read_dataset_folder(folder)
