@@ -34,5 +34,9 @@ main_job = dg.define_asset_job(
 selection_job = dg.define_asset_job(
     "selection_job",
     selection=dg.AssetSelection.assets(*STAGES[:5]),
+    config={
+        "ops": {k: v for k, v in CPU_QUICK_CONFIG["ops"].items() if k in STAGES[:5]},
+        "loggers": CPU_QUICK_CONFIG.get("loggers", {}),
+    },
     description="The cheap selection chain, raw_instructions -> shard_manifests.",
 )

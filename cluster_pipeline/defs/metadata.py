@@ -24,26 +24,33 @@ class UpstreamNotMaterialized(dg.Failure):
     pass
 
 
+def latest_materialization_metadata(instance: dg.DagsterInstance, asset: str,
+                                    partition: str) -> dict | None:
+    """Metadata values of the latest materialization of ``asset`` for ``partition``, or None."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]),
+        limit=1,
+    ).records
+    if not records:
+        return None
+    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
 def latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
     """Metadata of the latest materialization of ``asset`` for this run's partition.
 
     Raises:
         UpstreamNotMaterialized: the upstream partition was never materialized.
     """
-    records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(asset), asset_partitions=[context.partition_key]
-        ),
-        limit=1,
-    ).records
-    if not records:
+    meta = latest_materialization_metadata(context.instance, asset, context.partition_key)
+    if meta is None:
         raise UpstreamNotMaterialized(
             description=(
                 f"{asset} has no materialization for partition {context.partition_key!r}; "
                 f"materialize {asset} first (or the whole chain)."
             )
         )
-    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+    return meta
 
 
 def upstream_table(context: dg.AssetExecutionContext, asset: str, key: str = "table") -> TableRef:

@@ -24,6 +24,7 @@ def test_definitions_load_with_the_seven_stages(definitions):
         "shard_manifests": "selection",
         "trained_checkpoint": "training",
         "eval_report": "training",
+        "sample_lineage": "inspection",
     }
     for key in graph.get_all_asset_keys():
         assert graph.get(key).partitions_def == dg.DynamicPartitionsDefinition(name="datasets")
@@ -41,6 +42,12 @@ def test_checks_jobs_and_sensor(definitions):
     assert main.executor_def.name == "multiprocess"
     assert set(CPU_QUICK_CONFIG["ops"]) <= set(STAGES)
     assert [s.name for s in definitions.sensors] == ["dataset_folders_sensor"]
+    assert [s.name for s in definitions.schedules] == ["nightly_selection_refresh"]
+    graph = definitions.resolve_asset_graph()
+    conditions = {k.to_user_string(): graph.get(k).automation_condition for k in graph.get_all_asset_keys()}
+    # The selection chain follows its parents; training and evaluation run only on request.
+    assert all(conditions[a] is not None for a in STAGES[1:5])
+    assert conditions["trained_checkpoint"] is None and conditions["eval_report"] is None
 
 
 def test_main_job_default_config_is_valid(definitions):

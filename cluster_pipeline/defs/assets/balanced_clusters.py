@@ -43,6 +43,8 @@ def clusterable(ref: TableRef) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
     group_name="selection",
     kinds={"faiss", "deltalake"},
     code_version="1",
+    # Kept in sync with its parent; training and evaluation run only on request.
+    automation_condition=dg.AutomationCondition.eager(),
     check_specs=[
         dg.AssetCheckSpec(
             "capacity", asset="balanced_clusters", blocking=True,

@@ -39,6 +39,8 @@ class PeripheralSubsetsConfig(dg.Config):
     group_name="selection",
     kinds={"polars", "deltalake"},
     code_version="1",
+    # Kept in sync with its parent; training and evaluation run only on request.
+    automation_condition=dg.AutomationCondition.eager(),
 )
 def peripheral_subsets(
     context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource

@@ -69,6 +69,8 @@ def cache_key(model_path: str, cfg: ProxyEmbeddingsConfig, sample_ids: list[str]
     group_name="selection",
     kinds={"pytorch", "deltalake"},
     code_version="1",
+    # Kept in sync with its parent; training and evaluation run only on request.
+    automation_condition=dg.AutomationCondition.eager(),
 )
 def proxy_embeddings(
     context: dg.AssetExecutionContext,

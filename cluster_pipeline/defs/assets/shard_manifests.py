@@ -49,6 +49,8 @@ def selection_from_table(frame: pl.DataFrame, selector: str, k: int, per_cluster
     group_name="selection",
     kinds={"json", "deltalake"},
     code_version="1",
+    # Kept in sync with its parent; training and evaluation run only on request.
+    automation_condition=dg.AutomationCondition.eager(),
     check_specs=[
         dg.AssetCheckSpec(name, asset="shard_manifests", blocking=True, description=text)
         for name, text in CHECKS.items()

@@ -1,0 +1,104 @@
+"""Operating the pipeline: partitions that appear, the nightly refresh, lineage, subset versions."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from cluster_pipeline.defs.assets.sample_lineage import sample_lineage
+from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.schedules import changed_datasets, nightly_selection_refresh
+from cluster_pipeline.defs.sensors import dataset_folders_sensor
+from cluster_pipeline.lineage import main as lineage_main
+from cluster_pipeline_tests.conftest import tiny_records, write_jsonl
+from cluster_pipeline_tests.defs.test_pipeline_e2e import ASSETS, RUN_CONFIG, meta, read, resources
+
+
+def test_sensor_adds_new_dataset_folders_and_deletes_nothing(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "med" / "a.jsonl", tiny_records(3))
+    storage = StorageResource(data_dir=str(data))
+    with dg.instance_for_test() as instance:
+        ctx = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        result = dataset_folders_sensor(ctx)
+        assert result.dynamic_partitions_requests[0].partition_keys == ["python_stdlib", "med"]
+        instance.add_dynamic_partitions("datasets", ["python_stdlib", "med"])
+        assert isinstance(dataset_folders_sensor(ctx), dg.SkipReason)
+        (data / "raw" / "med" / "a.jsonl").unlink()
+        (data / "raw" / "med").rmdir()
+        assert isinstance(dataset_folders_sensor(ctx), dg.SkipReason)
+        assert set(instance.get_dynamic_partitions("datasets")) == {"python_stdlib", "med"}
+
+
+def test_datasets_cli_refuses_an_unknown_dataset(tmp_path):
+    env = {"DAGSTER_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    (tmp_path / "data" / "raw").mkdir(parents=True)
+    out = subprocess.run([sys.executable, "-m", "cluster_pipeline.datasets", "sync", "--require",
+                          "nosuch", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 1
+    assert "dataset 'nosuch' not found: no folder" in out.stderr and "python_stdlib" in out.stderr
+
+
+@pytest.mark.slow
+def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, capsys):
+    storage = StorageResource(data_dir=str(tiny_data_dir))
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny", "python_stdlib"])
+        # Never materialized: both datasets count as changed.
+        assert set(changed_datasets(instance, storage)) == {"tiny", "python_stdlib"}
+        assert dg.materialize([*ASSETS, sample_lineage], partition_key="tiny", instance=instance,
+                              resources=res, run_config=RUN_CONFIG).success
+        assert set(changed_datasets(instance, storage)) == {"python_stdlib"}
+        requests = nightly_selection_refresh(dg.build_schedule_context(
+            instance=instance, resources={"storage": storage}))
+        assert [r.partition_key for r in requests] == ["python_stdlib"]
+        write_jsonl(tiny_data_dir / "raw" / "tiny" / "more.jsonl", tiny_records(2))
+        assert set(changed_datasets(instance, storage)) == {"tiny", "python_stdlib"}
+
+        # The lineage table: every trained sample traces back to its source line.
+        lineage = read(instance, "sample_lineage")
+        assert lineage.height == 60
+        trained = lineage.filter(pl.col("checkpoints").list.len() > 0)
+        shards = read(instance, "shard_manifests")
+        assert set(trained["sample_id"]) == set(shards["sample_id"])
+        row = trained.row(0, named=True)
+        source = Path(row["source_file"]).read_text().splitlines()[row["source_line"] - 1]
+        raw = read(instance, "raw_instructions").filter(pl.col("sample_id") == row["sample_id"])
+        assert json.loads(source)["output"] == raw["response"].item()
+        ckpt = meta(instance, "trained_checkpoint")["checkpoint_path"]
+        assert row["checkpoints"] == [str(ckpt)] and row["selected"] and row["weight"] > 0
+
+        lineage_main(["tiny", row["sample_id"], "--data-dir", str(tiny_data_dir), "--json"])
+        printed = json.loads(capsys.readouterr().out.strip())
+        assert printed["source_line"] == row["source_line"] and printed["rank"] == row["rank"]
+        lineage_main(["tiny", "--selected", "--data-dir", str(tiny_data_dir), "--json"])
+        assert len(capsys.readouterr().out.strip().splitlines()) == trained.height
+
+        # Re-selecting with other knobs keeps the trained-on subset readable.
+        subsets_v0 = int(meta(instance, "peripheral_subsets")["table_version"])
+        shard_dir = Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent
+        cfg = {"ops": {"peripheral_subsets": {"config": {"ratio": 0.25}}}}
+        assert dg.materialize([ASSETS[3], ASSETS[4]], partition_key="tiny", instance=instance,
+                              resources=res, run_config=cfg).success
+        subsets_v1 = int(meta(instance, "peripheral_subsets")["table_version"])
+        assert subsets_v1 == subsets_v0 + 1
+        assert shard_dir.exists() and Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent != shard_dir
+        info = json.loads((Path(str(ckpt)) / "training_info.json").read_text())
+        from cluster_pipeline.core.sharding import ShardManifest
+
+        assert [ShardManifest.read(Path(m["path"])).sha256 for m in info["manifests"]] == \
+            [m["sha256"] for m in info["manifests"]]
+        lineage_main(["tiny", "--diff", str(subsets_v0), str(subsets_v1), "--data-dir",
+                      str(tiny_data_dir), "--json"])
+        diff = json.loads(capsys.readouterr().out)
+        old = pl.read_delta(str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v0)
+        new = pl.read_delta(str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v1)
+        assert len(diff["left"]) == old["selected"].sum() - new["selected"].sum() > 0
+        assert diff["entered"] == []
