@@ -28,6 +28,44 @@ class TableRef:
     def scan(self) -> pl.LazyFrame:
         return pl.scan_delta(self.uri, version=self.version)
 
+    def read_vectors(
+        self, column: str, keep: str | None = None, batch_rows: int = 65536
+    ) -> tuple[pl.DataFrame, np.ndarray]:
+        """Read a List(Float32) column as an (N, d) float32 matrix, batch by batch.
+
+        Only the matrix and one Arrow batch are ever in memory, never the whole column as
+        Arrow lists as well. Rows where ``column`` is null, or where the String column ``keep``
+        is not null, are left out.
+
+        Returns:
+            (sample_id of the rows kept, in table order; the (N, d) float32 matrix).
+        """
+        import pyarrow.compute as pc
+
+        dataset = DeltaTable(self.uri, version=self.version).to_pyarrow_dataset()
+        columns = ["sample_id", column] + ([keep] if keep else [])
+        ok = pc.is_valid(pc.field(column))
+        if keep:
+            ok = ok & pc.is_null(pc.field(keep))
+        n = dataset.count_rows(filter=ok)
+        ids: list[str] = []
+        matrix: np.ndarray | None = None
+        row = 0
+        for batch in dataset.to_batches(columns=columns, filter=ok, batch_size=batch_rows):
+            if batch.num_rows == 0:
+                continue
+            values = batch.column(column)
+            flat = values.flatten().to_numpy(zero_copy_only=False)
+            d = len(flat) // batch.num_rows
+            if matrix is None:
+                matrix = np.empty((n, d), dtype=np.float32)
+            matrix[row : row + batch.num_rows] = flat.reshape(batch.num_rows, d)
+            ids.extend(batch.column("sample_id").to_pylist())
+            row += batch.num_rows
+        if matrix is None:
+            matrix = np.zeros((0, 0), dtype=np.float32)
+        return pl.DataFrame({"sample_id": ids}, schema={"sample_id": pl.String}), matrix
+
 
 def write_table(frame: pl.DataFrame, uri: str | Path) -> TableRef:
     """Overwrite the Delta table at ``uri`` with ``frame`` (a new version; older ones stay

@@ -104,3 +104,18 @@ def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir)
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
     info = (Path(cfg.output_dir) / "training_info.json").read_text()
     assert '"world_size": 2' in info and '"steps": 1' in info
+
+
+def test_sigint_to_the_launcher_stops_every_rank(tmp_path, tiny_model_dir):
+    """What Dagster's Pipes client sends when a run is terminated."""
+    _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1, epochs=50)
+    proc = subprocess.Popen([*LAUNCH, "--config", str(tmp_path / "train.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_ranks(proc)
+    everyone = _children(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in everyone):
+        time.sleep(0.2)
+    assert not [p for p in everyone if _alive(p)]

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.clustering import balanced_kmeans
-from cluster_pipeline.core.tables import TableRef, series_to_matrix, vectors_to_series, write_table
+from cluster_pipeline.core.tables import TableRef, vectors_to_series, write_table
 from cluster_pipeline.defs.metadata import table_metadata, upstream_table
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import StorageResource
@@ -27,14 +27,13 @@ class BalancedClustersConfig(dg.Config):
 
 def clusterable(ref: TableRef) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
     """Split embedded samples into (rows to cluster, their (N, d) float32 normalised
-    embeddings, rows quarantined for non-finite values)."""
-    table = ref.read(columns=["sample_id", "skip_reason", "embedding_normalised"]).filter(
-        pl.col("skip_reason").is_null()
-    )
-    matrix = series_to_matrix(table["embedding_normalised"])
+    embeddings, rows quarantined for non-finite values). Embeddings are read batch by batch."""
+    rows, matrix = ref.read_vectors("embedding_normalised", keep="skip_reason")
     finite = np.isfinite(matrix).all(axis=1)
+    if finite.all():
+        return rows, matrix, rows.clear()
     keep = pl.Series(finite)
-    return table.filter(keep).drop("embedding_normalised"), matrix[finite], table.filter(~keep)
+    return rows.filter(keep), matrix[finite], rows.filter(~keep)
 
 
 @dg.asset(
@@ -67,7 +66,7 @@ def balanced_clusters(
         result = balanced_kmeans(x, config.num_clusters, config.alpha, config.seed, config.niter)
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
-    frame = rows.drop("skip_reason").with_columns(
+    frame = rows.with_columns(
         pl.Series("cluster", result.labels),
         pl.Series("kmeans_cluster", result.kmeans_labels),
         pl.Series("sq_distance", result.sq_distance),

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.selection import select
-from cluster_pipeline.core.tables import series_to_matrix, write_table
+from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.metadata import (
     latest_metadata,
     markdown_table,
@@ -68,10 +68,11 @@ def peripheral_subsets(
     ref = write_table(frame, storage.table_uri("peripheral_subsets", dataset))
     seconds = time.perf_counter() - start
 
-    embeddings = upstream_table(context, "proxy_embeddings").read(
-        columns=["sample_id", "embedding_normalised"])
-    x = series_to_matrix(clusters.select("sample_id").join(embeddings, on="sample_id", how="left")
-                         ["embedding_normalised"])
+    ids, matrix = upstream_table(context, "proxy_embeddings").read_vectors(
+        "embedding_normalised", keep="skip_reason")
+    position = ids.with_row_index("i").join(clusters.select("sample_id"), on="sample_id",
+                                            how="right")["i"].to_numpy()
+    x = matrix[position]
     labels = clusters["cluster"].to_numpy()
     map_png = plots.pca_map(x, labels, result.selected)
     per_cluster = frame.group_by("cluster").agg(

@@ -115,6 +115,9 @@ def trained_checkpoint(
             "manifest_sha256": dg.MetadataValue.json([m["sha256"] for m in info["manifests"]]),
             "manifest_set_sha256": shards["manifest_set_sha256"],
             "git_commit": str(info.get("git_commit")),
+            "config": dg.MetadataValue.json(
+                {k: v for k, v in info["config"].items() if k not in ("manifests", "provenance")}),
+            "resumed_from_step": str(info.get("resumed_from_step")),
             "seconds": round(seconds, 2),
             "train_seconds": round(info["train_seconds"], 2),
             "samples_per_rank": int(shards["shard_size"]),
