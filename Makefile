@@ -6,7 +6,7 @@ DATASET ?= python_stdlib
 PORT ?= 3000
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup run test test-fast dev validate clean-data
+.PHONY: setup run test test-fast dev validate compare
 
 setup: $(VENV)/.installed
 
@@ -44,3 +44,22 @@ validate: setup
 dev: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(PORT)
+
+# Checkpoints of other selectors on the same dataset and budget, then the comparison report.
+# Each selector x seed re-runs peripheral_subsets -> shard_manifests -> trained_checkpoint with
+# the main job's settings (full data takes about twice as long as r = 0.5).
+SELECTORS ?= random_global core
+SEEDS ?= 0
+COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
+compare: setup
+	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
+	for sel in $(SELECTORS); do for seed in $(SEEDS); do \
+		$(BIN)/python -m cluster_pipeline.compare_config $$sel $$seed $(COMPARE_TRAIN) > .compare_config.yaml && \
+		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
+			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
+	done; done
+	$(BIN)/python -m cluster_pipeline.compare_config peripheral 0 $(COMPARE_TRAIN),eval_report > .compare_config.yaml
+	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
+		--select $(COMPARE_TRAIN),eval_report -c .compare_config.yaml
+	rm -f .compare_config.yaml
+	@echo "report: data/reports/$(DATASET)/eval_report.md"

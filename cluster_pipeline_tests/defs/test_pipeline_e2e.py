@@ -32,8 +32,8 @@ RUN_CONFIG = {
         "peripheral_subsets": {"config": {"ratio": 0.5}},
         "trained_checkpoint": {"config": {"max_length": 64, "per_device_batch_size": 2,
                                           "learning_rate": 1e-3}},
-        "eval_report": {"config": {"max_length": 64, "humaneval_problems": 2,
-                                   "max_new_tokens": 8}},
+        "eval_report": {"config": {"max_length": 64, "benchmarks": ["humaneval"],
+                                   "humaneval_problems": 2, "max_new_tokens": 8}},
     }
 }
 

@@ -88,6 +88,7 @@ def peripheral_subsets(
             "dagster/row_count": frame.height,
             "selector": config.selector,
             "ratio": config.ratio,
+            "seed": config.seed,
             "per_cluster": result.per_cluster,
             "selected_samples": result.n_selected,
             "data_fraction": round(result.data_fraction, 4),

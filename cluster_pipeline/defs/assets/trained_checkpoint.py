@@ -71,6 +71,7 @@ def trained_checkpoint(
     start = time.perf_counter()
     shards = latest_metadata(context, "shard_manifests")
     instructions = latest_metadata(context, "raw_instructions")
+    subsets = latest_metadata(context, "peripheral_subsets")
     manifests = list(shards["manifest_paths"])
     world_size = len(manifests)
     if world_size % torchrun.nnodes:
@@ -89,8 +90,19 @@ def trained_checkpoint(
         instructions_version=int(instructions["table_version"]),
         manifests=manifests,
         output_dir=str(output_dir),
-        provenance={"dagster_run_id": context.run.run_id, "dataset": dataset,
-                    "manifest_set_sha256": shards["manifest_set_sha256"]},
+        provenance={
+            "dagster_run_id": context.run.run_id,
+            "dataset": dataset,
+            "manifest_set_sha256": shards["manifest_set_sha256"],
+            "selector": subsets["selector"],
+            "ratio": subsets["ratio"],
+            "selection_seed": subsets.get("seed"),
+            "data_fraction": subsets["data_fraction"],
+            "pool_size": subsets["dagster/row_count"],
+            "raw_instructions_version": instructions["table_version"],
+            "peripheral_subsets_version": subsets["table_version"],
+            "shard_manifests_version": shards["table_version"],
+        },
         **config.model_dump(),
     )
     train_cfg.validate()
