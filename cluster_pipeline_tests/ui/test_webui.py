@@ -1,0 +1,145 @@
+"""The Dagster web UI in a real browser: materialize the selection chain for one partition and
+see the clusters' metadata render. Screenshots go to ``test_artifacts/ui/``."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster_pipeline_tests.conftest import tiny_records, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = ROOT / "test_artifacts" / "ui"
+# Without the background-networking flags chromium keeps dialing out on this closed network.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _graphql(url: str, query: str) -> dict:
+    req = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())["data"]
+
+
+@pytest.fixture
+def webserver(tmp_path, tiny_model_dir):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} absent: install Debian's chromium package (.ci/run does)")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (test extra)")
+    data, home = tmp_path / "data", tmp_path / "dagster_home"
+    write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
+    home.mkdir()
+    (home / "dagster.yaml").write_text("")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "CLUSTER_PIPELINE_DATA_DIR": str(data),
+           "CLUSTER_PIPELINE_BASE_MODEL": str(tiny_model_dir)}
+    subprocess.run([sys.executable, "-m", "cluster_pipeline.datasets", "sync"], env=env,
+                   check=True, cwd=ROOT, capture_output=True)
+    port = _free_port()
+    dagster = shutil.which("dagster", path=str(Path(sys.executable).parent))
+    proc = subprocess.Popen([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p",
+                             str(port)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/server_info", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise AssertionError("dagster dev did not start") from None
+                time.sleep(1)
+        yield url, data
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_materialize_the_selection_chain_from_the_ui(webserver):
+    from playwright.sync_api import sync_playwright
+
+    url, data = webserver
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.goto(f"{url}/asset-groups", wait_until="networkidle")
+            page.wait_for_timeout(2000)
+            skip = page.get_by_role("button", name="Skip")  # the one-time newsletter prompt
+            if skip.count():
+                skip.click()
+            page.screenshot(path=ARTIFACTS / "01_asset_graph.png")
+
+            page.goto(f"{url}/locations/cluster_pipeline/jobs/selection_job",
+                      wait_until="networkidle")
+            page.get_by_role("button", name="Materialize all…").click()
+            page.get_by_text("Select a partition or create one").click()
+            page.locator("span", has_text="tiny").first.click()
+            page.get_by_text("Launch runs to materialize").click()  # closes the partition list
+            page.screenshot(path=ARTIFACTS / "02_launch_dialog.png")
+            page.get_by_role("button", name="Launch 1 run").click()
+
+            deadline, status = time.time() + 300, None
+            while time.time() < deadline:
+                runs = _graphql(url, "{ runsOrError { ... on Runs { results { runId status "
+                                     "tags { key value } } } } }")["runsOrError"]["results"]
+                if runs and runs[0]["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
+                    status = runs[0]
+                    break
+                time.sleep(2)
+            assert status is not None and status["status"] == "SUCCESS", status
+            assert {"key": "dagster/partition", "value": "tiny"} in status["tags"]
+            page.goto(f"{url}/runs/{status['runId']}", wait_until="networkidle")
+            page.wait_for_timeout(2000)
+            page.screenshot(path=ARTIFACTS / "03_run.png")
+
+            page.goto(f"{url}/assets/balanced_clusters?partition=tiny", wait_until="networkidle")
+            page.get_by_text("cluster_sizes_plot").first.wait_for(timeout=30000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
+            # Markdown metadata opens in a dialog: the plot must render as an image there.
+            for name, shot in (("cluster_sizes_plot", "05_cluster_sizes.png"),
+                               ("pca_map", "06_pca_map.png")):
+                row = page.locator("tr").filter(has=page.get_by_text(name, exact=True)).first
+                row.scroll_into_view_if_needed()
+                row.get_by_text("[Show Markdown]").click()
+                image = page.locator("[role=dialog] img[src^='data:image/png']").first
+                image.wait_for(timeout=15000)
+                page.wait_for_timeout(500)
+                assert image.evaluate("img => img.complete && img.naturalWidth") > 100
+                page.screenshot(path=ARTIFACTS / shot)
+                page.keyboard.press("Escape")
+                page.locator("[role=dialog]").first.wait_for(state="detached", timeout=10000)
+            row = page.locator("tr").filter(has=page.get_by_text("preview", exact=True)).first
+            row.scroll_into_view_if_needed()
+            # Short Markdown renders inline in the metadata table.
+            table = row.locator("table").first
+            table.wait_for(timeout=15000)
+            assert "sq_distance" in table.inner_text() and table.locator("tr").count() >= 5
+            page.screenshot(path=ARTIFACTS / "07_preview_table.png")
+        finally:
+            browser.close()
+    assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
