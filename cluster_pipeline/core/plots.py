@@ -49,16 +49,20 @@ def pca_map(x: np.ndarray, labels: np.ndarray, selected: np.ndarray | None = Non
     xs = x[idx] - x[idx].mean(axis=0)
     _, _, vt = np.linalg.svd(xs, full_matrices=False)
     xy = xs @ vt[:2].T
-    fig, ax = plt.subplots(figsize=(5, 4))
-    sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels[idx], cmap="tab10", s=8, alpha=0.7)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    lab = labels[idx]
+    colors = plt.cm.tab10(np.arange(10))
+    for c in np.unique(lab):
+        mask = lab == c
+        ax.scatter(xy[mask, 0], xy[mask, 1], color=colors[c % 10], s=8, alpha=0.7,
+                   label=f"cluster {c} ({int(mask.sum())})")
     if selected is not None:
         sel = selected[idx]
         ax.scatter(xy[sel, 0], xy[sel, 1], facecolors="none", edgecolors="k", s=18,
-                   linewidths=0.6, label="selected")
-        ax.legend(fontsize=8, loc="best")
+                   linewidths=0.6, label=f"selected ({int(sel.sum())})")
+    ax.legend(fontsize=7, loc="best")
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
-    fig.colorbar(sc, ax=ax, label="cluster")
     return _png(fig)
 
 
