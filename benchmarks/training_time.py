@@ -28,12 +28,15 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
 
-    import numpy as np
 
     from cluster_pipeline.core.clustering import balanced_kmeans
     from cluster_pipeline.core.datasets import build_instruction_table
     from cluster_pipeline.core.embedding import l2_normalise
-    from cluster_pipeline.core.modeling import BUILTIN_MODEL, load_model_and_tokenizer, resolve_model
+    from cluster_pipeline.core.modeling import (
+        BUILTIN_MODEL,
+        load_model_and_tokenizer,
+        resolve_model,
+    )
     from cluster_pipeline.core.selection import select
     from cluster_pipeline.core.sharding import allocate
     from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples

@@ -78,14 +78,18 @@ def loss_curves(steps: Sequence[int], per_rank: Sequence[Sequence[float]]) -> by
     return _png(fig)
 
 
-def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "") -> bytes:
-    """Grouped bars: one group per metric, one bar per model (``values[model][metric]``)."""
+def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "",
+                errors: Mapping[str, Mapping[str, float]] | None = None) -> bytes:
+    """One panel per metric, one bar per model (``values[model][metric]``), with error bars
+    from ``errors[model][metric]`` (e.g. the std over seeds) where given."""
     models = list(values)
     metrics = sorted({m for v in values.values() for m in v})
     fig, axes = plt.subplots(1, len(metrics), figsize=(3 * len(metrics), 3), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         heights = [values[m].get(metric, np.nan) for m in models]
-        ax.bar(range(len(models)), heights, color=plt.cm.tab10(np.arange(len(models))))
+        yerr = [(errors or {}).get(m, {}).get(metric, 0.0) for m in models]
+        ax.bar(range(len(models)), heights, yerr=yerr if any(yerr) else None, capsize=3,
+               color=plt.cm.tab10(np.arange(len(models)) % 10))
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels(models, rotation=20, fontsize=8)
         ax.set_title(metric, fontsize=9)

@@ -89,7 +89,9 @@ def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
 
 def report_plots(results: list[ModelResult], rows: list[dict], metric_names: list[str]) -> dict[str, bytes]:
     """PNG plots: metric bars per model group, training loss curves, time vs data fraction."""
-    out = {"metrics.png": plots.metric_bars({r["group"]: {m: r[m] for m in metric_names} for r in rows})}
+    out = {"metrics.png": plots.metric_bars(
+        {r["group"]: {m: r[m] for m in metric_names} for r in rows},
+        errors={r["group"]: {m: r[f"{m}_std"] for m in metric_names} for r in rows})}
     curves = {r.name: r.loss_curve for r in results if r.loss_curve}
     if curves:
         out["loss_curves.png"] = plots.named_curves(curves, "optimizer step", "training loss")

@@ -182,7 +182,9 @@ def eval_report(
         others.append((current, json.loads((current / "training_info.json").read_text())))
     for path, info in others:
         prov = info.get("config", {}).get("provenance", {})
-        group = f"{prov.get('selector', '?')} r={prov.get('ratio', '?')}"
+        # Checkpoints written before provenance was recorded keep their folder name.
+        group = (f"{prov['selector']} r={prov.get('ratio')}" if "selector" in prov
+                 else f"checkpoint {path.name}")
         seeds = f"seed {info.get('config', {}).get('seed', 0)}/{prov.get('selection_seed', 0)}"
         models.append((f"{group} {seeds}", group, str(path), info))
 

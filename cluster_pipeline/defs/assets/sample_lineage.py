@@ -11,7 +11,6 @@ from cluster_pipeline.defs.metadata import table_metadata, upstream_table
 from cluster_pipeline.defs.partitions import dataset_partitions
 from cluster_pipeline.defs.resources import StorageResource
 
-
 _CHECKPOINT = dg.AssetSelection.assets("trained_checkpoint")
 
 # Eager on the selection chain; a new checkpoint also refreshes it, but a missing one (training
