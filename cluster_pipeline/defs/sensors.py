@@ -17,3 +17,14 @@ def dataset_folders_sensor(context: dg.SensorEvaluationContext, storage: Storage
         return dg.SkipReason("no new dataset folders")
     context.log.info(f"adding dataset partitions {new}")
     return dg.SensorResult(dynamic_partitions_requests=[dataset_partitions.build_add_request(new)])
+
+
+# Dagster's implicit automation sensor starts stopped; this one runs by default, so the
+# selection chain (eager conditions) follows its parents as soon as `dagster dev` runs.
+selection_automation_sensor = dg.AutomationConditionSensorDefinition(
+    "selection_automation_sensor",
+    target=dg.AssetSelection.groups("selection", "inspection"),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=60,
+    description="Evaluates the eager automation conditions of the selection and inspection assets.",
+)

@@ -41,7 +41,7 @@ def test_checks_jobs_and_sensor(definitions):
     main = definitions.resolve_job_def("main_job")
     assert main.executor_def.name == "multiprocess"
     assert set(CPU_QUICK_CONFIG["ops"]) <= set(STAGES)
-    assert [s.name for s in definitions.sensors] == ["dataset_folders_sensor"]
+    assert sorted(s.name for s in definitions.sensors) == ["dataset_folders_sensor", "selection_automation_sensor"]
     assert [s.name for s in definitions.schedules] == ["nightly_selection_refresh"]
     graph = definitions.resolve_asset_graph()
     conditions = {k.to_user_string(): graph.get(k).automation_condition for k in graph.get_all_asset_keys()}

@@ -102,3 +102,23 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
         new = pl.read_delta(str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v1)
         assert len(diff["left"]) == old["selected"].sum() - new["selected"].sum() > 0
         assert diff["entered"] == []
+
+
+def test_automation_follows_parents_but_never_trains(tiny_data_dir):
+    from cluster_pipeline.definitions import defs
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    definitions = defs()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        first = dg.evaluate_automation_conditions(defs=definitions, instance=instance)
+        assert first.total_requested == 0  # nothing upstream yet
+        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
+                              resources={"storage": StorageResource(data_dir=str(tiny_data_dir))}).success
+        result = dg.evaluate_automation_conditions(defs=definitions, instance=instance,
+                                                   cursor=first.cursor)
+        requested = {k.to_user_string(): result.get_requested_partitions(k)
+                     for k in (dg.AssetKey(a) for a in ("proxy_embeddings", "trained_checkpoint",
+                                                        "eval_report"))}
+        assert requested["proxy_embeddings"] == {"tiny"}
+        assert requested["trained_checkpoint"] == set() and requested["eval_report"] == set()
