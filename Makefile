@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATASET ?= python_stdlib
 PORT ?= 3000
+HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
 .PHONY: setup run test test-fast dev validate compare
@@ -40,10 +41,11 @@ test-fast: setup
 validate: setup
 	$(BIN)/dagster definitions validate -w workspace.yaml
 
-# The web UI on http://127.0.0.1:$(PORT); runs and their logs persist in $(DAGSTER_HOME).
+# The web UI on http://$(HOST):$(PORT) (loopback unless HOST is set); runs and their logs
+# persist in $(DAGSTER_HOME).
 dev: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(PORT)
+	$(BIN)/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
 
 # Checkpoints of other selectors on the same dataset and budget, then the comparison report.
 # Each selector x seed re-runs peripheral_subsets -> shard_manifests -> trained_checkpoint with

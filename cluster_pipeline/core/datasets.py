@@ -142,7 +142,8 @@ def build_instruction_table(
 
 
 def source_fingerprint(dataset: str, raw_dir: Path) -> str:
-    """sha256 over the dataset's files (path, size, mtime): changes when the source changes.
+    """sha256 over the dataset's files (relative path and content, in sorted order): changes
+    exactly when the source content changes, not when files are merely touched.
 
     For ``python_stdlib`` it is the interpreter's version and stdlib path.
     """
@@ -155,6 +156,8 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
     folder = raw_dir / dataset
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES:
-            st = p.stat()
-            h.update(f"{p.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+            h.update(f"{p.relative_to(folder)}\0".encode())
+            with p.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
     return h.hexdigest()[:16]

@@ -79,3 +79,18 @@ def test_stdlib_sample_points_at_its_function(stdlib_samples):
                for x in stdlib_samples)
     assert all(x.source_file.startswith(sys.base_prefix) or "lib" in x.source_file
                for x in stdlib_samples[:10])
+
+
+def test_source_fingerprint_follows_content_not_timestamps(tmp_path):
+    import os
+
+    from cluster_pipeline.core.datasets import source_fingerprint
+
+    f = tmp_path / "d" / "a.jsonl"
+    f.parent.mkdir()
+    f.write_text('{"problem": "p", "solution": "s"}\n')
+    first = source_fingerprint("d", tmp_path)
+    os.utime(f, (1, 1))
+    assert source_fingerprint("d", tmp_path) == first
+    f.write_text('{"problem": "p", "solution": "t"}\n')
+    assert source_fingerprint("d", tmp_path) != first
