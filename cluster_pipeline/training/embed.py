@@ -23,14 +23,12 @@ if __name__ == "__main__":
 
     die_with_parent()
 
-
-
 import argparse
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from cluster_pipeline.core.embedding import embed_batch
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+from cluster_pipeline.training.config import JsonConfig
 from cluster_pipeline.training.distributed import (
     all_gather_floats,
     init_distributed,
@@ -60,7 +59,7 @@ CHUNK_SCHEMA = {
 
 
 @dataclass(frozen=True)
-class EmbedConfig:
+class EmbedConfig(JsonConfig):
     """Settings of one embedding pass (written as JSON by the asset)."""
 
     model_path: str
@@ -84,19 +83,6 @@ class EmbedConfig:
         if self.max_length < 2:
             raise ValueError(f"EmbedConfig.max_length must be >= 2, got {self.max_length}")
 
-    @classmethod
-    def load(cls, path: str | Path) -> "EmbedConfig":
-        raw = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"{path}: unknown EmbedConfig options {sorted(unknown)}")
-        cfg = cls(**raw)
-        cfg.validate()
-        return cfg
-
-    def dump(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
 
 
 def chunk_path(chunk_dir: Path, index: int) -> Path:

@@ -27,8 +27,6 @@ if __name__ == "__main__":
 
     die_with_parent()
 
-
-
 import argparse
 import json
 import math
@@ -38,7 +36,7 @@ import subprocess
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import collate, encode_sample
+from cluster_pipeline.training.config import JsonConfig
 from cluster_pipeline.training.distributed import (
     all_gather_floats,
     init_distributed,
@@ -62,7 +61,7 @@ TRAINING_STATE = "training_state.pt"
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(JsonConfig):
     """Settings of one fine-tuning run (written as JSON by the asset)."""
 
     model_path: str
@@ -109,18 +108,6 @@ class TrainConfig:
         if not self.manifests:
             raise ValueError("TrainConfig.manifests is empty: give one shard manifest per rank")
 
-    @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
-        raw = json.loads(Path(path).read_text())
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"{path}: unknown TrainConfig options {sorted(unknown)}")
-        cfg = cls(**raw)
-        cfg.validate()
-        return cfg
-
-    def dump(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
 
 
 def steps_per_epoch(n_samples: int, batch_size: int, accumulation: int) -> int:
