@@ -4,18 +4,21 @@
     python -m cluster_pipeline.datasets sync                 # add a partition per dataset found
     python -m cluster_pipeline.datasets sync --require NAME  # ... and fail unless NAME exists
 
-The ``dataset_folders_sensor`` does the same while ``dagster dev`` runs.
+The ``dataset_folders_sensor`` does the same while ``dagster dev`` runs. Partitions live in the
+Dagster instance at ``$DAGSTER_HOME``; unset, that is ``<project>/.dagster_home`` as in the
+Makefile.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from cluster_pipeline.core.datasets import discover_datasets
 from cluster_pipeline.defs.partitions import dataset_partitions
-from cluster_pipeline.defs.resources import default_data_dir
+from cluster_pipeline.defs.resources import PROJECT_ROOT, default_data_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +37,11 @@ def main(argv: list[str] | None = None) -> None:
             f"dataset {args.require!r} not found: no folder {raw_dir / args.require} with .json, "
             f".jsonl or .parquet files. Datasets found: {', '.join(found)}."
         )
+    if not os.environ.get("DAGSTER_HOME"):
+        home = PROJECT_ROOT / ".dagster_home"
+        home.mkdir(exist_ok=True)
+        (home / "dagster.yaml").touch()
+        os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
         known = set(instance.get_dynamic_partitions(dataset_partitions.name))
         new = [n for n in found if n not in known]

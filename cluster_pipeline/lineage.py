@@ -11,6 +11,7 @@ travel) and lists the samples that entered and left the subset. ``--json`` print
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +37,13 @@ def _latest(data_dir: Path, asset: str, dataset: str) -> pl.DataFrame | None:
         return None
 
 
+def _version(data_dir: Path, asset: str, dataset: str) -> str:
+    try:
+        return str(DeltaTable(_uri(data_dir, asset, dataset)).version())
+    except (TableNotFoundError, OSError):
+        return "-"
+
+
 def lineage_frame(data_dir: Path, dataset: str) -> pl.DataFrame:
     """The lineage table built from the latest version of every stage's table.
 
@@ -44,13 +52,16 @@ def lineage_frame(data_dir: Path, dataset: str) -> pl.DataFrame:
     """
     tables = {s: _latest(data_dir, s, dataset) for s in STAGES}
     if tables["raw_instructions"] is None:
-        sys.exit(f"no raw_instructions table for dataset {dataset!r} under {data_dir}/tables; "
-                 "materialize the pipeline for it first")
+        known = sorted(p.name for p in (data_dir / "tables" / "raw_instructions").glob("*"))
+        sys.exit(f"dataset {dataset!r} has no tables under {data_dir / 'tables'}: it does not "
+                 f"exist or was never materialized. Datasets with tables: "
+                 f"{', '.join(known) or 'none'}")
     return build_lineage(*(tables[s] for s in STAGES),
                          checkpoints_by_manifest(data_dir / "checkpoints" / dataset))
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dataset")
     parser.add_argument("sample_ids", nargs="*", metavar="sample_id")
@@ -92,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows.iter_rows(named=True):
             print(json.dumps(row, default=str))
         return
+    # Each stage is read at its latest version; after re-running only some stages, the view
+    # mixes versions, so say which.
+    versions = ", ".join(f"{s} v{_version(args.data_dir, s, args.dataset)}" for s in STAGES)
+    print(f"# latest tables: {versions}\n")
     for row in rows.iter_rows(named=True):
         print("\n".join(f"{k:>18}: {v}" for k, v in row.items()))
         print()

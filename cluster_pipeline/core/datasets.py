@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from cluster_pipeline.core.formats import SUPPORTED_SUFFIXES, Sample, read_dataset_folder
+from cluster_pipeline.core.formats import Sample, data_files, read_dataset_folder
 from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
 
@@ -36,7 +36,8 @@ INSTRUCTION_SCHEMA = {
 
 def discover_datasets(raw_dir: Path) -> list[str]:
     """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
-    that holds at least one supported file. Sorted, built-in first."""
+    that holds at least one data file (an ``eval.json`` alone does not count). Sorted,
+    built-in first."""
     names = []
     if raw_dir.is_dir():
         for child in sorted(raw_dir.iterdir()):
@@ -44,9 +45,7 @@ def discover_datasets(raw_dir: Path) -> list[str]:
                 child.is_dir()
                 and _NAME_RE.match(child.name)
                 and child.name != STDLIB_DATASET
-                and any(
-                    p.suffix.lower() in SUPPORTED_SUFFIXES for p in child.rglob("*") if p.is_file()
-                )
+                and data_files(child)
             ):
                 names.append(child.name)
     return [STDLIB_DATASET, *names]
@@ -154,10 +153,9 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
         h.update(f"{sys.version}|{sys.prefix}".encode())
         return h.hexdigest()[:16]
     folder = raw_dir / dataset
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES:
-            h.update(f"{p.relative_to(folder)}\0".encode())
-            with p.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
+    for p in data_files(folder):
+        h.update(f"{p.relative_to(folder)}\0".encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()[:16]

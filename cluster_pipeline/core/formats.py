@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
+# A dataset folder's own settings (its evaluation benchmarks), never read as samples.
+EVAL_CONFIG_NAME = "eval.json"
 FORMS = ("alpaca", "instruction_response", "magicoder", "sharegpt", "openai")
 
 _ROLE_ALIASES = {
@@ -240,15 +242,24 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, object]]:
     raise DatasetFormatError(f"{path}: unsupported suffix; use one of {SUPPORTED_SUFFIXES}.")
 
 
+def data_files(folder: Path) -> list[Path]:
+    """The dataset's sample files under ``folder``, sorted: every .json/.jsonl/.parquet file
+    except the folder's own ``eval.json`` settings file."""
+    return sorted(
+        p for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
+        and p != folder / EVAL_CONFIG_NAME
+    )
+
+
 def read_dataset_folder(folder: Path) -> Iterator[Sample]:
-    """Yield every sample of every supported file under ``folder``, in sorted path order.
+    """Yield every sample of every data file (:func:`data_files`) under ``folder``, in sorted
+    path order.
 
     Raises:
-        DatasetFormatError: the folder holds no supported file, or a record is malformed.
+        DatasetFormatError: the folder holds no data file, or a record is malformed.
     """
-    files = sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
-    )
+    files = data_files(folder)
     if not files:
         raise DatasetFormatError(
             f"{folder}: no {', '.join(SUPPORTED_SUFFIXES)} files found; put the dataset's files "

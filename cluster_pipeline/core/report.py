@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_pipeline.core import plots
+from cluster_pipeline.core.formats import EVAL_CONFIG_NAME
 
 BENCHMARKS = ("humaneval", "mbpp", "mmlu", "mmlu_medical")
 DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}
@@ -21,9 +22,13 @@ def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
     Raises:
         ValueError: eval.json names an unknown benchmark.
     """
-    path = raw_dir / dataset / "eval.json"
+    path = raw_dir / dataset / EVAL_CONFIG_NAME
     if path.exists():
-        names = tuple(json.loads(path.read_text()).get("benchmarks", ()))
+        try:
+            names = tuple(json.loads(path.read_text()).get("benchmarks", ()))
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: expected a JSON object like "
+                             '{"benchmarks": ["mmlu_medical"]} ' f"({e})") from None
         unknown = set(names) - set(BENCHMARKS)
         if unknown:
             raise ValueError(f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")

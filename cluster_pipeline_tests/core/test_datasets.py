@@ -94,3 +94,19 @@ def test_source_fingerprint_follows_content_not_timestamps(tmp_path):
     assert source_fingerprint("d", tmp_path) == first
     f.write_text('{"problem": "p", "solution": "t"}\n')
     assert source_fingerprint("d", tmp_path) != first
+
+
+def test_eval_json_is_settings_not_data(tmp_path):
+    import json
+
+    from cluster_pipeline.core.formats import read_dataset_folder
+
+    folder = tmp_path / "med"
+    folder.mkdir()
+    (folder / "eval.json").write_text(json.dumps({"benchmarks": ["mmlu_medical"]}))
+    assert discover_datasets(tmp_path) == ["python_stdlib"]  # settings alone are no dataset
+    (folder / "a.jsonl").write_text('{"instruction": "i", "output": "o"}\n')
+    (folder / "sub").mkdir()
+    (folder / "sub" / "eval.json").write_text('[{"problem": "p", "solution": "s"}]')
+    assert discover_datasets(tmp_path) == ["python_stdlib", "med"]
+    assert [s.prompt for s in read_dataset_folder(folder)] == ["i", "p"]

@@ -122,3 +122,26 @@ def test_automation_follows_parents_but_never_trains(tiny_data_dir):
                                                         "eval_report"))}
         assert requested["proxy_embeddings"] == {"tiny"}
         assert requested["trained_checkpoint"] == set() and requested["eval_report"] == set()
+
+
+def test_a_bad_eval_json_fails_raw_instructions_and_keeps_earlier_tables(tiny_data_dir):
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    res = {"storage": StorageResource(data_dir=str(tiny_data_dir))}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
+                              resources=res).success
+        before = read(instance, "raw_instructions")
+        (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text('{"benchmarks": ["gsm8k"]}')
+        failed = dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
+                                resources=res, raise_on_error=False)
+        assert not failed.success
+        failure = next(e for e in failed.all_events if e.is_step_failure)
+        assert "eval.json: unknown benchmarks ['gsm8k']" in failure.step_failure_data.user_failure_data.description
+        assert read(instance, "raw_instructions").equals(before)
+        (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text('{"benchmarks": ["mmlu_medical"]}')
+        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
+                              resources=res).success
+        assert meta(instance, "raw_instructions")["benchmarks"] == ["mmlu_medical"]
+        assert read(instance, "raw_instructions").height == 60

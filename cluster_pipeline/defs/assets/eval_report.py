@@ -234,7 +234,7 @@ def eval_report(
         + ". Greedy decoding; bold = the checkpoint of this run; ± = std over seeds.\n\n"
         + markdown_table(rows, metric_names)
         + "\n\n| cost of the bold run | value |\n|---|---|\n"
-        f"| selection (embedding pass) | {selection_s:.1f} s |\n"
+        f"| selection: embedding pass (torchrun, model load excluded) | {selection_s:.1f} s |\n"
         f"| training (measured) | {train_s:.1f} s at data fraction {fraction:.3f} |\n"
         f"| full-data training (estimate: measured / fraction) | {full_estimate:.1f} s |\n"
         f"| training time saved | {full_estimate - train_s:.1f} s |\n"

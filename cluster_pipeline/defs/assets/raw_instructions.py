@@ -9,6 +9,7 @@ from pydantic import Field
 
 from cluster_pipeline.core.datasets import build_instruction_table, load_samples, source_fingerprint
 from cluster_pipeline.core.formats import DatasetFormatError
+from cluster_pipeline.core.report import dataset_benchmarks
 from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.metadata import table_metadata
 from cluster_pipeline.defs.partitions import dataset_partitions
@@ -47,6 +48,8 @@ def raw_instructions(
     dataset = context.partition_key
     start = time.perf_counter()
     try:
+        # Fail here, not after training, on a dataset's bad eval.json.
+        benchmarks = dataset_benchmarks(dataset, storage.raw_dir)
         frame, stats = build_instruction_table(
             load_samples(dataset, storage.raw_dir),
             heldout_fraction=config.heldout_fraction,
@@ -74,6 +77,7 @@ def raw_instructions(
             "heldout_samples": stats.heldout,
             "forms": dg.MetadataValue.json(dict(zip(forms["form"], forms["len"]))),
             "source_fingerprint": source_fingerprint(dataset, storage.raw_dir),
+            "benchmarks": dg.MetadataValue.json(list(benchmarks)),
             "mean_response_chars": round(float(frame["response"].str.len_chars().mean()), 1),
         },
     )
