@@ -66,3 +66,25 @@ def test_torchrun_command_lines():
     assert "--rdzv_endpoint=10.0.0.1:29400" in multi and "--standalone" not in multi
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         TorchrunResource(nnodes=2).command("m.x", 1, [])
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), [
+    ("PeripheralSubsetsConfig", {"ratio": 1.5}, "ratio"),
+    ("PeripheralSubsetsConfig", {"selector": "best"}, "'peripheral', 'core'"),
+    ("BalancedClustersConfig", {"alpha": 0.5}, "alpha"),
+    ("TrainedCheckpointConfig", {"learning_rate": 0.0}, "learning_rate"),
+    ("EvalReportConfig", {"humaneval_problems": 500}, "humaneval_problems"),
+])
+def test_run_config_errors_name_the_knob(cls, kwargs, message):
+    import importlib
+
+    import pydantic
+
+    module = {"PeripheralSubsetsConfig": "peripheral_subsets",
+              "BalancedClustersConfig": "balanced_clusters",
+              "TrainedCheckpointConfig": "trained_checkpoint",
+              "EvalReportConfig": "eval_report"}[cls]
+    config_cls = getattr(importlib.import_module(f"cluster_pipeline.defs.assets.{module}"), cls)
+    with pytest.raises(pydantic.ValidationError, match=message):
+        config_cls(**kwargs)
+    assert all(f.description for f in config_cls.model_fields.values())
