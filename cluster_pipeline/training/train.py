@@ -307,7 +307,7 @@ def train(cfg: TrainConfig, env, report) -> None:
         report.info(
             f"step {step}/{total_steps} loss {record['loss']:.4f} "
             f"(ranks {[round(x, 4) for x in record['loss_per_rank']]}) "
-            f"{record['tokens'] / max(record['step_seconds'], 1e-9):.0f} tokens/s"
+            f"{record['tokens'] / max(record['step_seconds'], 1e-9):.0f} response tokens/s"
         )
         if cfg.save_every_steps and step % cfg.save_every_steps == 0 and step < total_steps:
             rng = _gather_objects(torch.get_rng_state(), env)
