@@ -65,6 +65,11 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
                            "trained_checkpoint": {"config": {**train_cfg, "seed": seed}}}}
             assert dg.materialize(ASSETS[3:6], partition_key="tiny", instance=instance,
                                   resources=res, run_config=cfg).success
+            assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is False
+        # The same inputs and settings again: the finished checkpoint is reused, not retrained.
+        assert dg.materialize(ASSETS[3:6], partition_key="tiny", instance=instance,
+                              resources=res, run_config=cfg).success
+        assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is True
         assert dg.materialize([eval_report], partition_key="tiny", instance=instance,
                               resources=res, run_config=eval_cfg).success
         m = meta(instance, "eval_report")

@@ -45,6 +45,8 @@ class TrainedCheckpointConfig(dg.Config):
     keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
     resume: bool = Field(default=True, description="Resume from the latest intermediate "
                          "checkpoint of the same manifests and config, if one exists.")
+    retrain: bool = Field(default=False, description="Train again even if a finished "
+                          "checkpoint of the same manifests, data, model and settings exists.")
 
 
 @dg.asset(
@@ -80,8 +82,8 @@ def trained_checkpoint(
     run_dir = storage.work_dir("checkpoints", dataset)
     # Same manifests, data, model and settings -> same folder, so a re-executed run resumes
     # from the interrupted one's latest checkpoint.
-    settings = json.dumps([model_path, instructions["table_version"], config.model_dump()],
-                          sort_keys=True)
+    settings = json.dumps([model_path, instructions["table_version"],
+                           config.model_dump(exclude={"retrain"})], sort_keys=True)
     output_dir = run_dir / (f"{shards['manifest_set_sha256'][:12]}-"
                             f"{hashlib.sha256(settings.encode()).hexdigest()[:8]}")
     train_cfg = TrainConfig(
@@ -103,13 +105,26 @@ def trained_checkpoint(
             "peripheral_subsets_version": subsets["table_version"],
             "shard_manifests_version": shards["table_version"],
         },
-        **config.model_dump(),
+        **config.model_dump(exclude={"retrain"}),
     )
     train_cfg.validate()
     cfg_path = run_dir / f"{output_dir.name}.config.json"
     train_cfg.dump(cfg_path)
-    result = run_torchrun(context, pipes_subprocess_client, torchrun, TRAIN_MODULE,
-                          world_size // torchrun.nnodes, cfg_path).get_materialize_result()
+    finished = output_dir / "training_info.json"
+    reused = (
+        not config.retrain and finished.exists()
+        and [m["sha256"] for m in json.loads(finished.read_text())["manifests"]]
+        == list(shards["manifest_sha256"])
+    )
+    if reused:
+        # Training is deterministic given these inputs: the finished checkpoint is the answer.
+        context.log.info(f"reusing {output_dir}: same manifests, data, model and settings "
+                         "(set retrain: true to train again)")
+        reported = {}
+    else:
+        reported = run_torchrun(context, pipes_subprocess_client, torchrun, TRAIN_MODULE,
+                                world_size // torchrun.nnodes,
+                                cfg_path).get_materialize_result().metadata or {}
     seconds = time.perf_counter() - start
 
     history = [json.loads(line) for line in Path(f"{output_dir}.metrics.jsonl").read_text().splitlines()]
@@ -120,7 +135,8 @@ def trained_checkpoint(
     curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
     return dg.MaterializeResult(
         metadata={
-            **{k: v for k, v in (result.metadata or {}).items()},
+            **reported,
+            "reused_checkpoint": reused,
             "checkpoint_path": dg.MetadataValue.path(str(output_dir)),
             "base_model": model_path,
             "world_size": world_size,
