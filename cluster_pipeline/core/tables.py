@@ -25,9 +25,6 @@ class TableRef:
     def read(self, columns: list[str] | None = None) -> pl.DataFrame:
         return pl.read_delta(self.uri, version=self.version, columns=columns)
 
-    def scan(self) -> pl.LazyFrame:
-        return pl.scan_delta(self.uri, version=self.version)
-
     def read_vectors(
         self, column: str, keep: str | None = None, batch_rows: int = 65536
     ) -> tuple[pl.DataFrame, np.ndarray]:

@@ -4,7 +4,6 @@
 import time
 
 import dagster as dg
-import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core.datasets import build_instruction_table, load_samples, source_fingerprint
@@ -82,7 +81,3 @@ def raw_instructions(
         },
     )
 
-
-def read_split(ref, split: str) -> pl.DataFrame:
-    """Rows of one split of a raw_instructions version."""
-    return ref.read().filter(pl.col("split") == split)
