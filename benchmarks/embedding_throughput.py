@@ -77,7 +77,7 @@ def run_mode(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)

@@ -81,7 +81,7 @@ def run(n: int, d: int, k: int, seed: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[75_000, 1_000_000])
     p.add_argument("--d", type=int, nargs="+", default=[576, 1024])
     p.add_argument("--k", type=int, default=8)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--ratio", type=float, default=0.4)
     p.add_argument("--max-length", type=int, default=128)
@@ -41,8 +41,8 @@ def main() -> None:
     from cluster_pipeline.core.sharding import allocate
     from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
     from cluster_pipeline.core.tables import series_to_matrix, write_table
-    from cluster_pipeline.training.embed import EmbedConfig, embed_frame
-    from cluster_pipeline.training.train import TrainConfig
+    from cluster_pipeline.training.config import EmbedSettings, TrainJob, TrainSettings
+    from cluster_pipeline.training.embed import embed_frame
 
     work = Path(tempfile.mkdtemp(prefix="training_time_"))
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
@@ -51,8 +51,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(model_path)
-    cfg = EmbedConfig(model_path, table.uri, table.version, str(work), max_length=args.max_length)
-    emb = embed_frame(model, tokenizer, frame.select("sample_id", "system", "prompt", "response"), cfg)
+    emb = embed_frame(model, tokenizer, frame.select("sample_id", "system", "prompt", "response"),
+                      EmbedSettings(max_length=args.max_length))
     del model
     emb = emb.filter(emb["skip_reason"].is_null())
     x = l2_normalise(series_to_matrix(emb["embedding"]))
@@ -66,9 +66,11 @@ def main() -> None:
         alloc = allocate("bench", ids, clusters.labels, sel, 2, seed=0)
         paths = [str(m.write(work / selector)) for m in alloc.manifests]
         out = work / f"ckpt_{selector}"
-        TrainConfig(model_path, table.uri, table.version, paths, str(out),
-                    max_length=args.max_length, per_device_batch_size=args.batch_size,
-                    learning_rate=5e-5).dump(work / f"{selector}.json")
+        settings = TrainSettings(max_length=args.max_length,
+                                 per_device_batch_size=args.batch_size, learning_rate=5e-5)
+        TrainJob(settings=settings, model_path=model_path, instructions_uri=table.uri,
+                 instructions_version=table.version, manifests=paths,
+                 output_dir=str(out)).dump(work / f"{selector}.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "cluster_pipeline.training.train", "--config", str(work / f"{selector}.json")]
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Balanced clustering (DESIGN.md step 2): k-means, then an optimal capacity-constrained assignment.
+"""Balanced clustering (docs/design.md, step 2): k-means, then an optimal capacity-constrained assignment.
 
 K-means (faiss) runs on the L2-normalised proxy embeddings. The capacity step then assigns every
 sample to one of the K centroids so that no cluster holds more than ``cap = ceil(alpha * N / K)``
@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
+
+from cluster_pipeline.core.tables import TableRef
 
 # Min-cost flow needs integer costs; squared distances of unit vectors lie in [0, 4].
 _COST_SCALE = 1e6
@@ -49,7 +52,7 @@ class ClusterResult:
 
 
 def capacity(n: int, k: int, alpha: float) -> int:
-    """cap = ceil(alpha * N / K) (DESIGN.md step 2).
+    """cap = ceil(alpha * N / K) (docs/design.md, step 2).
 
     Raises:
         ValueError: alpha < 1 (the caps could not hold all N samples).
@@ -106,15 +109,16 @@ def capacity_assignment(sq_dist: np.ndarray, cap: int) -> np.ndarray:
         ]
     )
     flow = min_cost_flow.SimpleMinCostFlow()
-    flow.add_arcs_with_capacity_and_unit_cost(tails, heads, caps, costs)
+    # OR-Tools' type stubs spell the dtype where the shape goes; the arrays are what it takes.
+    flow.add_arcs_with_capacity_and_unit_cost(tails, heads, caps, costs)  # pyright: ignore[reportArgumentType]
     supplies = np.zeros(n + k + 2, dtype=np.int64)
     supplies[source], supplies[sink] = n, -n
-    flow.set_nodes_supplies(np.arange(n + k + 2), supplies)
+    flow.set_nodes_supplies(np.arange(n + k + 2), supplies)  # pyright: ignore[reportArgumentType]
     status = flow.solve()
     if status != flow.OPTIMAL:
         raise RuntimeError(f"min-cost flow failed with status {status}")
     # Arcs n .. n + n*k - 1 are the sample -> cluster arcs, in (sample, cluster) order.
-    used = flow.flows(np.arange(n, n + n * k)).reshape(n, k)
+    used = np.asarray(flow.flows(np.arange(n, n + n * k))).reshape(n, k)
     return used.argmax(axis=1).astype(np.int64)
 
 
@@ -137,13 +141,13 @@ def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25, max_train_points: 
         max_points_per_centroid=max(1, math.ceil(max_train_points / k)),
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
-    return km.centroids.astype(np.float32)
+    return np.asarray(km.centroids, dtype=np.float32)
 
 
 def balanced_kmeans(
     x: np.ndarray, k: int, alpha: float = 1.0, seed: int = 0, niter: int = 25
 ) -> ClusterResult:
-    """K-means on L2-normalised rows of x, then the capacity step (DESIGN.md step 2).
+    """K-means on L2-normalised rows of x, then the capacity step (docs/design.md, step 2).
 
     Args:
         x: (N, d) float32 L2-normalised embeddings; all finite.
@@ -181,3 +185,28 @@ def balanced_kmeans(
         kmeans_cost=float(dist[rows, kmeans_labels].sum()),
         cost=float(dist[rows, labels].sum()),
     )
+
+
+def read_clusterable(embeddings: TableRef) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
+    """Split a ``proxy_embeddings`` table version into (rows to cluster: ``sample_id``, their
+    (N, d) float32 normalised embeddings, rows quarantined for non-finite values). Skipped
+    samples are left out; embeddings are read batch by batch."""
+    rows, matrix = embeddings.read_vectors("embedding_normalised", keep="skip_reason")
+    finite = np.asarray(np.isfinite(matrix).all(axis=1))
+    if finite.all():
+        return rows, matrix, rows.clear()
+    keep = pl.Series("finite", finite)
+    return rows.filter(keep), matrix[finite], rows.filter(~keep)
+
+
+def check_capacity(sample_ids: pl.Series, labels: np.ndarray, k: int, n: int,
+                   cap: int) -> tuple[bool, str]:
+    """Independent check of a capacity-constrained assignment: every one of the ``n`` samples
+    in exactly one cluster (ids unique, sizes sum to n) and no cluster above ``cap``.
+
+    Returns (passed, description with the sizes)."""
+    sizes = np.bincount(labels, minlength=k)
+    unique = sample_ids.n_unique() == len(sample_ids)
+    passed = unique and int(sizes.sum()) == n and int(sizes.max()) <= cap
+    return bool(passed), (f"sizes {sizes.tolist()} (sum {int(sizes.sum())}, N {n}), cap {cap}, "
+                          f"sample ids unique: {unique}")

@@ -1,4 +1,4 @@
-"""The gradient-proxy embedding (DESIGN.md step 1).
+"""The gradient-proxy embedding (docs/design.md, step 1).
 
 For a sample with response tokens t = 1..T (labels != -100), h_t the final hidden state (after
 the final norm: the vector the LM head maps to logits z_t) at the position that predicts token t,

@@ -21,18 +21,26 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 import numpy as np
 import polars as pl
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster_pipeline.core.embedding import embed_batch
+from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sandbox import run_python
 from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+
+Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
+BENCHMARKS: tuple[str, ...] = get_args(Benchmark)
+CODE_BENCHMARKS = ("humaneval", "mbpp")
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 CHAT_STOP_SEQUENCES = ("\nif __name__", "\nprint(", "\nassert ", "\n# Test", "\n# Example")
@@ -250,3 +258,114 @@ def code_pass_at_1(
         for p, c, r in zip(problems, completions, results)
     ]
     return pass1, records
+
+
+class EvalSettings(BaseModel):
+    """Knobs of one model's evaluation (the ``eval_report`` run config inherits them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_length: int = Field(default=512, ge=2, description="Max tokens per held-out sample.")
+    batch_size: int = Field(default=8, ge=1, description="Samples per forward/generate batch.")
+    # list[str], not list[Benchmark]: Dagster's run config cannot express a list of literals.
+    benchmarks: list[str] | None = Field(
+        default=None, description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
+        "None = the dataset's own: data/raw/<dataset>/eval.json {\"benchmarks\": [...]}, or "
+        "humaneval + mbpp for python_stdlib.")
+    humaneval_problems: int = Field(default=164, ge=0, le=164, description="First N HumanEval "
+                                    "problems (0 = none).")
+    mbpp_problems: int = Field(default=397, ge=0, description="First N MBPP-style problems.")
+    mmlu_questions: int = Field(default=200, ge=0, description="MMLU questions (a seeded sample "
+                                "over the chosen topics).")
+    max_new_tokens: int = Field(default=384, ge=1, description="Generation budget per problem.")
+    timeout_s: float = Field(default=5.0, gt=0, description="Seconds per generated program.")
+    eval_data_dir: str | None = Field(
+        default=None, description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
+        "data/eval/, else ../shared/datasets/eval/ beside the project.")
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _known_benchmarks(cls, names: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(names or ()) - set(BENCHMARKS))
+        if unknown:
+            raise ValueError(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+        return names
+
+
+def find_eval_file(folders: Sequence[Path], name: str) -> Path | None:
+    """The first ``folder/name`` that exists."""
+    return next((f / name for f in folders if (f / name).exists()), None)
+
+
+def load_suites(names: Sequence[str], settings: EvalSettings,
+                folders: Sequence[Path]) -> tuple[dict[str, list], dict[str, str]]:
+    """The problems or questions of each benchmark, sized by ``settings``, reading benchmark
+    files from the first of ``folders`` that has them.
+
+    Returns:
+        (benchmark -> problems/questions, benchmark -> why it was skipped: a size of 0 or a
+        missing file).
+    """
+    suites: dict[str, list] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        if name == "humaneval" and settings.humaneval_problems:
+            suites[name] = load_humaneval(settings.humaneval_problems)
+        elif name == "mbpp" and settings.mbpp_problems:
+            path = find_eval_file(folders, "mbpp_reworded.json")
+            if path is None:
+                skipped[name] = "mbpp_reworded.json not found in data/eval/ or eval_data_dir"
+            else:
+                suites[name] = load_mbpp(path, settings.mbpp_problems)
+        elif name in ("mmlu", "mmlu_medical") and settings.mmlu_questions:
+            path = find_eval_file(folders, "mmlu.jsonl")
+            if path is None:
+                skipped[name] = "mmlu.jsonl not found in data/eval/ or eval_data_dir"
+            else:
+                topics = MMLU_MEDICAL_TOPICS if name == "mmlu_medical" else None
+                suites[name] = load_mmlu(path, topics, settings.mmlu_questions)
+        else:
+            skipped[name] = "size set to 0"
+    return suites, skipped
+
+
+class _Progress:
+    """Counts generated completions of one benchmark and logs the running total."""
+
+    def __init__(self, name: str, total: int, log: Callable[[str], None]):
+        self.name, self.total, self.log, self.done = name, total, log, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.log(f"{self.name}: generated {self.done}/{self.total}")
+
+
+def evaluate_model(path: str, heldout: pl.DataFrame, suites: dict[str, list],
+                   settings: EvalSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Load the model at ``path`` and measure held-out loss and every benchmark of ``suites``.
+
+    Returns ``{"metrics": {name: value}, "details": {benchmark: per-item records},
+    "heldout_tokens": int, "eval_seconds": float}``; metric names are ``heldout_loss``
+    (nats/token), ``heldout_perplexity``, ``<code benchmark>_pass@1`` and
+    ``<mmlu benchmark>_accuracy``.
+    """
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(path)
+    loss = heldout_loss(model, tokenizer, heldout, settings.max_length, settings.batch_size)
+    metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
+    details = {}
+    for name, suite in suites.items():
+        if name in CODE_BENCHMARKS:
+            score, records = code_pass_at_1(
+                model, tokenizer, suite, settings.max_new_tokens, settings.batch_size,
+                settings.timeout_s, _Progress(name, len(suite), log))
+            metrics[f"{name}_pass@1"] = score
+        else:
+            score, records = mmlu_accuracy(model, tokenizer, suite, settings.max_length,
+                                           settings.batch_size)
+            metrics[f"{name}_accuracy"] = score
+        details[name] = records
+        log(f"{name}: {score:.4f}")
+    return {"metrics": metrics, "details": details, "heldout_tokens": loss["tokens"],
+            "eval_seconds": time.perf_counter() - start}

@@ -1,6 +1,6 @@
 """Reading instruction datasets in the common public forms into (prompt, response) samples.
 
-Accepted record forms (DESIGN.md, `raw_instructions`):
+Accepted record forms (docs/design.md, "Reading datasets"):
 
 ========================  ==============================================================
 form                      fields
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def normalise_record(record: object, source_file: str, source_line: int) -> Samp
     return Sample(prompt, response, system, form, source_file, source_line)
 
 
-def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, object]]:
+def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
     """Yield (line, record) for each element of a top-level JSON array, keeping line numbers."""
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -195,7 +196,7 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, object]]:
         pos = end
 
 
-def iter_file_records(path: Path) -> Iterator[tuple[int, object]]:
+def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
     """Yield (1-based line or row number, raw record) from a JSONL, JSON or Parquet file.
 
     Raises:

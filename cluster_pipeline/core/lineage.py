@@ -1,14 +1,22 @@
 """Per-sample lineage: one row per sample, from its source line to the checkpoints trained on it.
 
 Joins, by ``sample_id``, the tables of every stage (raw_instructions, proxy_embeddings,
-balanced_clusters, peripheral_subsets, shard_manifests) and the ``training_info.json`` of every
-checkpoint, which names the content hashes of the shard manifests it was trained on.
+balanced_clusters, peripheral_subsets, shard_manifests) and the checkpoint catalogue
+(:mod:`cluster_pipeline.core.checkpoints`), whose ``training_info.json`` files name the content
+hashes of the shard manifests each checkpoint was trained on.
 """
 
-import json
-from pathlib import Path
+from collections.abc import Mapping
 
 import polars as pl
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+
+from cluster_pipeline.core.layout import DataLayout
+
+# The stages whose tables the lineage joins, in pipeline order.
+LINEAGE_STAGES = ("raw_instructions", "proxy_embeddings", "balanced_clusters",
+                  "peripheral_subsets", "shard_manifests")
 
 LINEAGE_COLUMNS = [
     "sample_id", "split", "source_file", "source_line", "n_response_tokens", "mean_loss",
@@ -17,32 +25,22 @@ LINEAGE_COLUMNS = [
 ]
 
 
-def checkpoints_by_manifest(checkpoint_root: Path) -> dict[str, list[str]]:
-    """manifest sha256 -> checkpoint folders whose ``training_info.json`` names it."""
-    out: dict[str, list[str]] = {}
-    if not checkpoint_root.is_dir():
-        return out
-    for info_path in sorted(checkpoint_root.glob("*/training_info.json")):
-        try:
-            info = json.loads(info_path.read_text())
-        except ValueError:
-            continue
-        for m in info.get("manifests", []):
-            out.setdefault(m["sha256"], []).append(str(info_path.parent))
-    return out
-
-
 def build_lineage(
-    raw: pl.DataFrame,
-    embeddings: pl.DataFrame | None,
-    clusters: pl.DataFrame | None,
-    subsets: pl.DataFrame | None,
-    shards: pl.DataFrame | None,
-    checkpoints: dict[str, list[str]],
+    tables: Mapping[str, pl.DataFrame | None], checkpoints: dict[str, list[str]]
 ) -> pl.DataFrame:
-    """The lineage table (:data:`LINEAGE_COLUMNS`), one row per sample of ``raw`` (held-out
-    samples included, with nulls past ``raw_instructions``). Stages not yet materialized may be
-    None; their columns are null."""
+    """The lineage table (:data:`LINEAGE_COLUMNS`), one row per sample of the raw_instructions
+    table (held-out samples included, with nulls past ``raw_instructions``).
+
+    Args:
+        tables: stage (:data:`LINEAGE_STAGES`) -> its table; stages not yet materialized may be
+            None or absent, and their columns are null. ``raw_instructions`` is required.
+        checkpoints: manifest sha256 -> checkpoint paths (see
+            :func:`~cluster_pipeline.core.checkpoints.checkpoints_by_manifest`).
+    """
+    raw = tables["raw_instructions"]
+    if raw is None:
+        raise ValueError("the raw_instructions table is required")
+    embeddings, clusters, subsets, shards = (tables.get(s) for s in LINEAGE_STAGES[1:])
     frame = raw.select("sample_id", "split", "source_file", "source_line")
     if embeddings is not None:
         frame = frame.join(embeddings.select("sample_id", "n_response_tokens", "mean_loss", "skip_reason"),
@@ -77,3 +75,18 @@ def subset_diff(old: pl.DataFrame, new: pl.DataFrame) -> dict[str, list[str]]:
     before = set(old.filter(pl.col("selected"))["sample_id"])
     after = set(new.filter(pl.col("selected"))["sample_id"])
     return {"entered": sorted(after - before), "left": sorted(before - after)}
+
+
+def latest_tables(layout: DataLayout, dataset: str) -> dict[str, tuple[int, pl.DataFrame] | None]:
+    """stage -> (version, frame) of the latest version of each lineage stage's table, or None
+    where the stage has no table yet. Used where no Dagster instance is at hand (the CLI);
+    the ``sample_lineage`` asset reads the versions its shard manifests were built from."""
+    out: dict[str, tuple[int, pl.DataFrame] | None] = {}
+    for stage in LINEAGE_STAGES:
+        uri = layout.table_uri(stage, dataset)
+        try:
+            version = DeltaTable(uri).version()
+            out[stage] = (version, pl.read_delta(uri, version=version))
+        except (TableNotFoundError, FileNotFoundError, OSError):
+            out[stage] = None
+    return out

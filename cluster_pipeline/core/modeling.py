@@ -58,9 +58,9 @@ def convert_gguf_to_safetensors(gguf_file: Path, out_dir: Path) -> Path:
     )
     # transformers 5 marks GGUF-loaded models as quantized: save_pretrained refuses, or the copy
     # reloads as quantized. The weights are already de-quantised float32 tensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
     if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+        delattr(model.config, "quantization_config")
     model.config.name_or_path = BUILTIN_MODEL
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -114,6 +114,6 @@ def load_model_and_tokenizer(model_path: str, dtype=None, device: str = "cpu"):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
-    model.to(device)
+    model = model.to(device)  # pyright: ignore[reportArgumentType]  (stubs type .to as generate's)
     model.eval()
     return model, tokenizer

@@ -26,7 +26,8 @@ def markdown_image(png: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
-def cluster_sizes(kmeans_sizes: Sequence[int], sizes: Sequence[int], cap: int) -> bytes:
+def cluster_sizes(kmeans_sizes: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+                  cap: int) -> bytes:
     """Bars of cluster sizes before and after the capacity step, with the cap as a line."""
     k = len(sizes)
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * k + 2), 3))

@@ -1,4 +1,4 @@
-"""Balanced down-sampling (DESIGN.md step 3) and the re-weighting factors (step 5).
+"""Balanced down-sampling (docs/design.md, step 3) and the re-weighting factors (step 5).
 
 With clusters of sizes n_c (after the capacity step) and m = min_c n_c, every cluster keeps
 ``floor(r * m)`` samples. The selectors:
@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
+import polars as pl
 
-SELECTORS = ("peripheral", "core", "random", "uniform", "random_global", "full")
+Selector = Literal["peripheral", "core", "random", "uniform", "random_global", "full"]
+SELECTORS: tuple[str, ...] = get_args(Selector)
+# Selectors that keep the clusters: cluster c is trained on rank c with weight w_c.
 CLUSTER_SELECTORS = ("peripheral", "core", "random", "uniform")
+# Selectors whose ranks' losses are re-weighted by w_c.
+REWEIGHTED_SELECTORS = ("peripheral", "core", "random")
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class SelectionResult:
 
 
 def cluster_weights(sizes: np.ndarray) -> np.ndarray:
-    """w_c = n_c * K / N for (K,) cluster sizes n_c (DESIGN.md step 5). Sums to K."""
+    """w_c = n_c * K / N for (K,) cluster sizes n_c (docs/design.md, step 5). Sums to K."""
     sizes = np.asarray(sizes, dtype=np.float64)
     return sizes * len(sizes) / sizes.sum()
 
@@ -131,7 +137,7 @@ def select(
     rng = np.random.default_rng(seed)
     copies = np.zeros(n, dtype=np.int64)
 
-    if selector in ("peripheral", "core", "random"):
+    if selector in REWEIGHTED_SELECTORS:
         keep = per_cluster_budget(sizes, r)
         if selector == "peripheral":
             key = -np.asarray(sq_distance, dtype=np.float64)
@@ -161,3 +167,31 @@ def select(
     copies[rank < budget] = 1
     ones = np.ones(k)
     return SelectionResult(selector, copies > 0, copies, rank, np.ones(n), ones, budget)
+
+
+def selection_from_table(frame: pl.DataFrame, selector: str, k: int,
+                         per_cluster: int) -> SelectionResult:
+    """Rebuild a selector's result from a ``peripheral_subsets`` table (columns cluster,
+    selected, copies, selection_rank, weight); weights at full precision from the ``weight``
+    column."""
+    per_cluster_weight = frame.group_by("cluster").agg(pl.col("weight").first()).sort("cluster")
+    weights = np.ones(k)
+    weights[per_cluster_weight["cluster"].to_numpy()] = per_cluster_weight["weight"].to_numpy()
+    return SelectionResult(
+        selector=selector,
+        selected=frame["selected"].to_numpy(),
+        copies=frame["copies"].to_numpy().astype(np.int64),
+        selection_rank=frame["selection_rank"].to_numpy(),
+        weight=frame["weight"].to_numpy(),
+        cluster_weights=weights,
+        per_cluster=per_cluster,
+    )
+
+
+def per_cluster_summary(frame: pl.DataFrame) -> pl.DataFrame:
+    """One row per cluster of a ``peripheral_subsets`` table: n_c, samples kept (copies
+    counted) and w_c."""
+    return frame.group_by("cluster").agg(
+        pl.len().alias("n_c"), pl.col("copies").sum().alias("kept"),
+        pl.col("weight").first().alias("w_c"),
+    ).sort("cluster")

@@ -1,4 +1,4 @@
-"""Allocation (DESIGN.md step 4): one shard manifest per data-parallel rank.
+"""Allocation (docs/design.md, step 4): one shard manifest per data-parallel rank.
 
 For the clustered selectors, cluster c is trained on rank c, with the cluster's weight w_c. For
 ``random_global`` and ``full`` the selected samples are shuffled and dealt into K equal shards
@@ -18,8 +18,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
-from cluster_pipeline.core.selection import CLUSTER_SELECTORS, SelectionResult
+from cluster_pipeline.core.selection import (
+    CLUSTER_SELECTORS,
+    REWEIGHTED_SELECTORS,
+    SelectionResult,
+)
+
+
+# The checks of :func:`check_allocation`, by name, as the asset checks describe them.
+CHECKS = {
+    "equal_shards": "Every rank holds the same number of samples (else DDP hangs).",
+    "coverage": "Every selected sample (with its copies) is in exactly one shard position.",
+    "weights": "Each rank's loss weight equals n_c K / N recomputed from the cluster labels.",
+}
+
+MANIFEST_SCHEMA = {"rank": pl.Int64, "position": pl.Int64, "sample_id": pl.String,
+                   "weight": pl.Float64, "manifest_sha256": pl.String}
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,24 @@ def allocate(
     return Allocation(manifests, dropped)
 
 
+def manifests_frame(manifests: list[ShardManifest]) -> pl.DataFrame:
+    """The ``shard_manifests`` table: one row per (rank, position) with the sample id, the rank's
+    weight and its manifest's content hash (:data:`MANIFEST_SCHEMA`)."""
+    return pl.concat([
+        pl.DataFrame(
+            {
+                "rank": [m.rank] * m.n_samples,
+                "position": list(range(m.n_samples)),
+                "sample_id": list(m.sample_ids),
+                "weight": [m.weight] * m.n_samples,
+                "manifest_sha256": [m.sha256] * m.n_samples,
+            },
+            schema=MANIFEST_SCHEMA,
+        )
+        for m in manifests
+    ])
+
+
 def manifest_set_hash(manifests: list[ShardManifest]) -> str:
     """sha256 over the ranks' manifest hashes, in rank order: names one allocation."""
     return hashlib.sha256("".join(m.sha256 for m in manifests).encode()).hexdigest()
@@ -183,7 +217,7 @@ def check_allocation(
         f"(allowed {dropped}), {extra} not selected",
     )
     k = len(manifests)
-    if selection.selector in ("peripheral", "core", "random"):
+    if selection.selector in REWEIGHTED_SELECTORS:
         n_c = np.bincount(labels, minlength=k)
         want = n_c * k / n_c.sum()
     else:

@@ -41,9 +41,10 @@ class TableRef:
 
         dataset = DeltaTable(self.uri, version=self.version).to_pyarrow_dataset()
         columns = ["sample_id", column] + ([keep] if keep else [])
-        ok = pc.is_valid(pc.field(column))
+        # pyarrow's stubs lack the generated compute functions.
+        ok = pc.is_valid(pc.field(column))  # pyright: ignore[reportAttributeAccessIssue]
         if keep:
-            ok = ok & pc.is_null(pc.field(keep))
+            ok = ok & pc.is_null(pc.field(keep))  # pyright: ignore[reportAttributeAccessIssue]
         n = dataset.count_rows(filter=ok)
         ids: list[str] = []
         matrix: np.ndarray | None = None
@@ -62,6 +63,26 @@ class TableRef:
         if matrix is None:
             matrix = np.zeros((0, 0), dtype=np.float32)
         return pl.DataFrame({"sample_id": ids}, schema={"sample_id": pl.String}), matrix
+
+
+def mean_of(series: pl.Series) -> float:
+    """Mean of the non-null values as a float (nan when there are none)."""
+    value = series.cast(pl.Float64).mean()
+    return float(value) if isinstance(value, int | float) else float("nan")
+
+
+def rows_for(ids: pl.DataFrame, matrix: np.ndarray, sample_ids: pl.Series) -> np.ndarray:
+    """The rows of ``matrix`` (one per row of ``ids``, as :meth:`TableRef.read_vectors`
+    returns) for ``sample_ids``, in that order.
+
+    Raises:
+        KeyError: a sample id is not in ``ids``.
+    """
+    position = ids.with_row_index("i").join(
+        pl.DataFrame({"sample_id": sample_ids}), on="sample_id", how="right")["i"]
+    if position.null_count():
+        raise KeyError(f"{position.null_count()} sample ids have no vector")
+    return matrix[position.to_numpy()]
 
 
 def write_table(frame: pl.DataFrame, uri: str | Path) -> TableRef:
@@ -86,3 +107,20 @@ def series_to_matrix(series: pl.Series, dim: int | None = None) -> np.ndarray:
         return np.zeros((0, dim or 0), dtype=np.float32)
     dim = dim or len(series[0])
     return series.list.to_array(dim).to_numpy().astype(np.float32, copy=False)
+
+
+def markdown_preview(frame: pl.DataFrame, max_rows: int = 8, max_chars: int = 60) -> str:
+    """A small GitHub-Markdown table of the first rows (long cells shortened)."""
+
+    def cell(v) -> str:
+        text = "" if v is None else str(v)
+        text = text.replace("\n", " ").replace("|", "\\|")
+        return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+    head = frame.head(max_rows)
+    lines = [
+        "| " + " | ".join(head.columns) + " |",
+        "|" + "---|" * len(head.columns),
+    ]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in head.iter_rows()]
+    return "\n".join(lines)

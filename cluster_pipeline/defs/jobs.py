@@ -3,7 +3,7 @@
 Its default run config, ``run_config/cpu_quick.yaml`` (shown in the launchpad; the CLI passes
 the same file with ``-c``), keeps a CPU run to about 15 minutes on ``python_stdlib``: N = 600
 training samples, max length 256 tokens, K = 2, r = 0.5, one epoch, 64 held-out samples and the
-first 20 HumanEval problems. Raise them on a GPU machine.
+first 16 HumanEval and 16 MBPP problems. Raise them on a GPU machine.
 """
 
 from pathlib import Path
@@ -11,15 +11,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-STAGES = [
-    "raw_instructions",
-    "proxy_embeddings",
-    "balanced_clusters",
-    "peripheral_subsets",
-    "shard_manifests",
-    "trained_checkpoint",
-    "eval_report",
-]
+from cluster_pipeline.defs.stages import SELECTION_STAGES, STAGES
 
 CPU_QUICK_CONFIG_PATH = Path(__file__).parent / "run_config" / "cpu_quick.yaml"
 CPU_QUICK_CONFIG = yaml.safe_load(CPU_QUICK_CONFIG_PATH.read_text())
@@ -33,9 +25,9 @@ main_job = dg.define_asset_job(
 
 selection_job = dg.define_asset_job(
     "selection_job",
-    selection=dg.AssetSelection.assets(*STAGES[:5]),
+    selection=dg.AssetSelection.assets(*SELECTION_STAGES),
     config={
-        "ops": {k: v for k, v in CPU_QUICK_CONFIG["ops"].items() if k in STAGES[:5]},
+        "ops": {k: v for k, v in CPU_QUICK_CONFIG["ops"].items() if k in SELECTION_STAGES},
         "loggers": CPU_QUICK_CONFIG.get("loggers", {}),
     },
     description="The cheap selection chain, raw_instructions -> shard_manifests.",

@@ -4,8 +4,8 @@ import dagster as dg
 
 from cluster_pipeline.core.datasets import discover_datasets, source_fingerprint
 from cluster_pipeline.defs.jobs import selection_job
-from cluster_pipeline.defs.metadata import latest_materialization_metadata
-from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.defs.records import RawInstructionsRecord, UpstreamNotMaterialized, latest_record
 from cluster_pipeline.defs.resources import StorageResource
 
 
@@ -13,14 +13,18 @@ def changed_datasets(instance: dg.DagsterInstance, storage: StorageResource) -> 
     """dataset -> current source fingerprint, for every registered dataset whose fingerprint
     differs from the one its latest ``raw_instructions`` materialization recorded (or that was
     never materialized). Datasets whose folder is gone are left alone."""
-    present = set(discover_datasets(storage.raw_dir))
+    raw_dir = storage.layout.raw_dir
+    present = set(discover_datasets(raw_dir))
     out = {}
-    for dataset in instance.get_dynamic_partitions(dataset_partitions.name):
+    for dataset in instance.get_dynamic_partitions(DATASETS):
         if dataset not in present:
             continue
-        current = source_fingerprint(dataset, storage.raw_dir)
-        recorded = latest_materialization_metadata(instance, "raw_instructions", dataset) or {}
-        if recorded.get("source_fingerprint") != current:
+        current = source_fingerprint(dataset, raw_dir)
+        try:
+            recorded = latest_record(instance, RawInstructionsRecord, dataset)
+        except UpstreamNotMaterialized:  # written by an older version: refresh it
+            recorded = None
+        if recorded is None or recorded.source_fingerprint != current:
             out[dataset] = current
     return out
 

@@ -1,34 +1,120 @@
-"""The JSON round trip shared by the entry points' config dataclasses."""
+"""The knobs of the two torchrun jobs, each defined once.
 
-import json
-from dataclasses import asdict, fields
+:class:`EmbedSettings` and :class:`TrainSettings` hold what a person turns per run, with bounds
+and help text (as TRL's ``SFTConfig``). The Dagster run config of ``proxy_embeddings`` and
+``trained_checkpoint`` inherits them, so the launchpad shows the same fields, defaults and
+descriptions. The asset wraps the settings in a job file (:class:`EmbedJob`, :class:`TrainJob`:
+settings + the pinned inputs and output paths), ships it to every rank as JSON
+(``model_dump_json``), and each rank validates it on load. Adding a training knob is one field
+in :class:`TrainSettings`.
+"""
+
+from __future__ import annotations
+
 from pathlib import Path
-from typing import Self
+from typing import Any, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Schedule = Literal["cosine", "linear", "constant"]
 
 
-class JsonConfig:
-    """Mixin for a dataclass config written by an asset and read by every rank.
+class _Model(BaseModel):
+    # Unknown options are errors that name them, not silently ignored typos.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    Subclasses define ``validate()``, raising ValueError that names the bad option.
-    """
 
-    def validate(self) -> None:  # pragma: no cover - overridden
-        pass
+class JobFile(_Model):
+    """A job description written by an asset and read by every rank."""
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
-        """Read and validate a config file.
+        """Read and validate a job file.
 
         Raises:
-            ValueError: unknown options (named) or an invalid value.
+            pydantic.ValidationError (a ValueError): unknown or invalid options, each named.
         """
-        raw = json.loads(Path(path).read_text())
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"{path}: unknown {cls.__name__} options {sorted(unknown)}")
-        cfg = cls(**raw)
-        cfg.validate()
-        return cfg
+        return cls.model_validate_json(Path(path).read_text())
 
-    def dump(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
+    def dump(self, path: str | Path) -> Path:
+        Path(path).write_text(self.model_dump_json(indent=1))
+        return Path(path)
+
+
+class EmbedSettings(_Model):
+    """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1)."""
+
+    max_length: int = Field(default=512, ge=2, description="Max tokens per sample (prompt + "
+                            "response); the end of the response is cut first.")
+    max_batch_size: int = Field(default=16, ge=1, description="Max samples per forward pass.")
+    max_batch_tokens: int = Field(default=8192, ge=1, description="Max padded tokens per batch.")
+    chunk_size: int = Field(default=512, ge=1, description="Samples per resumable chunk.")
+    bf16: bool = Field(default=False, description="bfloat16 autocast for the forward pass.")
+
+    def cache_fields(self) -> dict[str, Any]:
+        """The settings that change the stored embeddings (batching does not: padding is
+        masked and position ids count real tokens)."""
+        return self.model_dump(exclude={"max_batch_size", "max_batch_tokens"})
+
+
+class EmbedJob(JobFile):
+    """One embedding pass: settings plus the pinned input table and the chunk folder."""
+
+    settings: EmbedSettings
+    model_path: str
+    instructions_uri: str
+    instructions_version: int = Field(ge=0)
+    chunk_dir: str
+    lm_head_chunk_rows: int = Field(default=1024, ge=1)
+    progress_every_s: float = Field(default=5.0, gt=0)
+
+
+class TrainSettings(_Model):
+    """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5)."""
+
+    max_length: int = Field(default=512, ge=2, description="Max tokens per training sample.")
+    per_device_batch_size: int = Field(default=4, ge=1, description="Samples per rank per "
+                                       "micro-batch.")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per "
+                                             "optimizer step.")
+    epochs: int = Field(default=1, ge=1, description="Passes over each rank's shard.")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many "
+                                  "optimizer steps (None = all epochs).")
+    learning_rate: float = Field(default=5e-5, gt=0.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(default=0.1, ge=0.0, lt=1.0, description="Fraction of steps "
+                                "of linear warmup.")
+    schedule: Schedule = Field(default="cosine", description="Decay after warmup.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping norm.")
+    bf16: bool = Field(default=False, description="bfloat16 autocast.")
+    reweight: bool = Field(default=True, description="Multiply rank c's loss by w_c = n_c K / N "
+                           "(docs/design.md, step 5); off = plain balanced training.")
+    seed: int = Field(default=0, description="Training seed (rank r uses seed + r).")
+    save_every_steps: int | None = Field(default=None, ge=1, description="Save a resumable "
+                                         "checkpoint every N optimizer steps (None = only at "
+                                         "the end).")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
+    resume: bool = Field(default=True, description="Resume from the latest intermediate "
+                         "checkpoint of the same manifests and config, if one exists.")
+
+
+class TrainJob(JobFile):
+    """One fine-tuning run: settings, the pinned data, one shard manifest per rank, the output
+    folder and provenance recorded into ``training_info.json``."""
+
+    settings: TrainSettings
+    model_path: str
+    instructions_uri: str
+    instructions_version: int = Field(ge=0)
+    manifests: list[str] = Field(min_length=1, description="One shard manifest per rank.")
+    output_dir: str
+    provenance: dict[str, Any] = Field(default_factory=dict)
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+def settings_of(config: BaseModel, cls: type[SettingsT]) -> SettingsT:
+    """The ``cls`` fields of a Dagster run config that inherits ``cls`` (asset-only knobs such
+    as ``recompute`` are left out)."""
+    return cls.model_validate(config.model_dump(include=set(cls.model_fields)))

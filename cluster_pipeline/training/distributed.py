@@ -3,17 +3,22 @@ parent, and a rank-0-only channel back to Dagster through Pipes."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from cluster_pipeline.training.config import JobFile
 from cluster_pipeline.training.fate import die_with_parent
+
+J = TypeVar("J", bound=JobFile)
 
 
 @dataclass(frozen=True)
@@ -104,3 +109,20 @@ def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     out = [torch.zeros_like(t) for _ in range(env.world_size)]
     dist.all_gather(out, t)
     return [o.cpu().tolist() for o in out]
+
+
+def run_entry_point(job_cls: type[J], body: Callable[[J, DistEnv, Reporter], None],
+                    argv: list[str] | None, description: str) -> None:
+    """The shared ``main`` of a torchrun entry point: read ``--config`` as a ``job_cls`` job
+    file (validated), join the process group, run ``body`` with rank 0's reporter, and leave
+    the group. Call it from a ``main`` wrapped in torch's ``@record``."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
+    parser.add_argument("--config", required=True, help=f"{job_cls.__name__} JSON file")
+    args = parser.parse_args(argv)
+    job = job_cls.load(args.config)
+    env = init_distributed()
+    # On success, leave the process group cleanly; on an error, exit without tearing it down
+    # first, so the peers' errors do not race ahead of this rank's own (see @record).
+    with reporter(env) as report:
+        body(job, env, report)
+    shutdown_distributed()

@@ -1,20 +1,21 @@
-"""Data-parallel gradient-proxy embedding pass (DESIGN.md step 1), the torchrun entry point.
+"""Data-parallel gradient-proxy embedding pass (docs/design.md, step 1), the torchrun entry point.
 
 Launch lines::
 
     # one process
-    python -m cluster_pipeline.training.embed --config embed_config.json
+    python -m cluster_pipeline.training.embed --config embed_job.json
     # W processes on one machine (gloo on CPU, nccl on GPUs)
-    torchrun --standalone --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_config.json
+    torchrun --standalone --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_job.json
     # several machines: same command on each, with
     torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
-        --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_config.json
+        --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_job.json
 
-The training split of the ``raw_instructions`` table is cut into fixed chunks of ``chunk_size``
-samples (in table order); rank r embeds chunks i with i % world_size == r, each written
-atomically as ``chunk_<i>.parquet`` in ``chunk_dir``. A chunk file that exists is done, so a
-killed run restarted with the same config embeds only the missing chunks. The ``proxy_embeddings``
-asset gathers the chunks, in order, into one Delta table.
+The job file is an :class:`~cluster_pipeline.training.config.EmbedJob`. The training split of the
+``raw_instructions`` table version it names is cut into fixed chunks of ``chunk_size`` samples
+(in table order); rank r embeds chunks i with i % world_size == r, each written atomically as
+``chunk_<i>.parquet`` in ``chunk_dir``. A chunk file that exists is done, so a killed run
+restarted with the same job embeds only the missing chunks. :func:`assemble_table` gathers the
+chunks, in order, into the ``proxy_embeddings`` table.
 """
 
 if __name__ == "__main__":
@@ -23,29 +24,25 @@ if __name__ == "__main__":
 
     die_with_parent()
 
-import argparse
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cluster_pipeline.core.embedding import embed_batch
+from cluster_pipeline.core.embedding import embed_batch, l2_normalise
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
+from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series
 from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
-from cluster_pipeline.training.config import JsonConfig
-from cluster_pipeline.training.distributed import (
-    all_gather_floats,
-    init_distributed,
-    reporter,
-    shutdown_distributed,
-)
+from cluster_pipeline.training.config import EmbedJob, EmbedSettings
+from cluster_pipeline.training.distributed import all_gather_floats, run_entry_point
 
 CHUNK_SCHEMA = {
     "sample_id": pl.String,
@@ -58,35 +55,27 @@ CHUNK_SCHEMA = {
 }
 
 
-@dataclass(frozen=True)
-class EmbedConfig(JsonConfig):
-    """Settings of one embedding pass (written as JSON by the asset)."""
-
-    model_path: str
-    instructions_uri: str
-    instructions_version: int
-    chunk_dir: str
-    max_length: int = 512
-    max_batch_size: int = 16
-    max_batch_tokens: int = 8192
-    chunk_size: int = 512
-    bf16: bool = False
-    lm_head_chunk_rows: int = 1024
-    progress_every_s: float = 5.0
-
-    def validate(self) -> None:
-        """Raises ValueError naming the first bad option."""
-        for name in ("max_length", "max_batch_size", "max_batch_tokens", "chunk_size",
-                     "lm_head_chunk_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EmbedConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_length < 2:
-            raise ValueError(f"EmbedConfig.max_length must be >= 2, got {self.max_length}")
-
+PASS_STATS = "pass_stats.json"
 
 
 def chunk_path(chunk_dir: Path, index: int) -> Path:
     return chunk_dir / f"chunk_{index:06d}.parquet"
+
+
+def n_chunks(n_samples: int, chunk_size: int) -> int:
+    return math.ceil(n_samples / chunk_size)
+
+
+def chunks_done(chunk_dir: Path, n_samples: int, chunk_size: int) -> int:
+    """How many of the pass's chunk files already exist."""
+    return sum(chunk_path(chunk_dir, i).exists() for i in range(n_chunks(n_samples, chunk_size)))
+
+
+def read_pass_stats(chunk_dir: Path) -> dict[str, float]:
+    """samples, tokens, seconds (slowest rank) and world_size of the pass that wrote the
+    chunks ({} before it finished)."""
+    path = chunk_dir / PASS_STATS
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl.DataFrame:
@@ -96,11 +85,11 @@ def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl
         FileNotFoundError: a chunk is missing (the pass did not finish).
         ValueError: the chunks hold other samples than ``sample_ids`` (another pass's files).
     """
-    n_chunks = math.ceil(len(sample_ids) / chunk_size)
-    missing = [i for i in range(n_chunks) if not chunk_path(chunk_dir, i).exists()]
+    total = n_chunks(len(sample_ids), chunk_size)
+    missing = [i for i in range(total) if not chunk_path(chunk_dir, i).exists()]
     if missing:
-        raise FileNotFoundError(f"{chunk_dir}: chunks {missing[:5]} of {n_chunks} are missing")
-    frame = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(n_chunks)])
+        raise FileNotFoundError(f"{chunk_dir}: chunks {missing[:5]} of {total} are missing")
+    frame = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(total)])
     if frame["sample_id"].to_list() != list(sample_ids):
         raise ValueError(f"{chunk_dir}: the chunks do not hold the expected samples in order")
     return frame
@@ -112,15 +101,57 @@ def read_train_split(uri: str, version: int) -> pl.DataFrame:
     return frame.filter(pl.col("split") == "train").drop("split")
 
 
-def embed_frame(model, tokenizer, frame: pl.DataFrame, cfg: EmbedConfig, on_batch=None) -> pl.DataFrame:
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The ``proxy_embeddings`` table of a finished pass and what it holds.
+
+    Attributes:
+        frame: :data:`CHUNK_SCHEMA` plus ``embedding_normalised`` (List(Float32), L2-normalised
+            e; null where skipped), one row per training sample in table order.
+        embedded: samples with an embedding.
+        skipped: skip reason -> count.
+        hidden_size: d.
+    """
+
+    frame: pl.DataFrame
+    embedded: int
+    skipped: dict[str, int]
+    hidden_size: int
+
+
+def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> EmbeddingTable:
+    """Gather a finished pass's chunks and add the L2-normalised embeddings.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`gather_chunks`, or no sample was embedded
+            (every one was skipped).
+    """
+    chunks = gather_chunks(chunk_dir, sample_ids, chunk_size)
+    ok = chunks["skip_reason"].is_null().to_numpy()
+    if not ok.any():
+        raise ValueError("no sample has a response token within max_length; raise max_length "
+                         "or check the responses")
+    matrix = series_to_matrix(chunks.filter(pl.Series(ok))["embedding"])
+    normalised = np.zeros((chunks.height, matrix.shape[1]), dtype=np.float32)
+    normalised[ok] = l2_normalise(matrix)
+    frame = chunks.with_columns(vectors_to_series("embedding_normalised", normalised)).with_columns(
+        pl.when(pl.col("skip_reason").is_null()).then(pl.col("embedding_normalised"))
+    )
+    skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
+    return EmbeddingTable(frame, int(ok.sum()), dict(zip(skipped["skip_reason"], skipped["len"])),
+                          int(matrix.shape[1]))
+
+
+def embed_frame(model, tokenizer, frame: pl.DataFrame, settings: EmbedSettings,
+                lm_head_chunk_rows: int = 1024, on_batch=None) -> pl.DataFrame:
     """Embed every sample of ``frame`` (columns sample_id, system, prompt, response).
 
     Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
     response token get a ``skip_reason`` and a null embedding.
     """
     encoded = [
-        encode_sample(tokenizer, s, p, r, cfg.max_length)
-        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"])
+        encode_sample(tokenizer, s, p, r, settings.max_length)
+        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"], strict=True)
     ]
     n, d = len(encoded), model.config.hidden_size
     emb = np.zeros((n, d), dtype=np.float32)
@@ -128,11 +159,11 @@ def embed_frame(model, tokenizer, frame: pl.DataFrame, cfg: EmbedConfig, on_batc
     n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
     usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
     lengths = [len(encoded[i]) for i in usable]
-    autocast = torch.bfloat16 if cfg.bf16 else None
-    for batch_pos in length_batches(lengths, cfg.max_batch_size, cfg.max_batch_tokens):
+    autocast = torch.bfloat16 if settings.bf16 else None
+    for batch_pos in length_batches(lengths, settings.max_batch_size, settings.max_batch_tokens):
         idx = [usable[j] for j in batch_pos]
         batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
-        out = embed_batch(model, batch, cfg.lm_head_chunk_rows, autocast)
+        out = embed_batch(model, batch, lm_head_chunk_rows, autocast)
         emb[idx] = out.embedding
         loss[idx] = out.mean_loss
         if on_batch is not None:
@@ -155,46 +186,40 @@ def embed_frame(model, tokenizer, frame: pl.DataFrame, cfg: EmbedConfig, on_batc
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="EmbedConfig JSON file")
-    args = parser.parse_args(argv)
-    cfg = EmbedConfig.load(args.config)
-    env = init_distributed()
-    # On success, leave the process group cleanly; on an error, exit without tearing it down
-    # first, so the peers' errors do not race ahead of this rank's own (see @record).
-    with reporter(env) as report:
-        _run(cfg, env, report)
-    shutdown_distributed()
+    run_entry_point(EmbedJob, run_pass, argv, __doc__ or "")
 
 
-def _run(cfg: EmbedConfig, env, report) -> None:
-    chunk_dir = Path(cfg.chunk_dir)
+def run_pass(job: EmbedJob, env, report) -> None:
+    """This rank's share of the pass: embed its missing chunks, then (rank 0) write the pass's
+    throughput to ``pass_stats.json``."""
+    cfg = job.settings
+    chunk_dir = Path(job.chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
     # Half-written chunks of a killed run were never renamed, so never counted as done.
     for orphan in chunk_dir.glob(f"chunk_*.tmp-rank{env.rank}"):
         orphan.unlink(missing_ok=True)
-    frame = read_train_split(cfg.instructions_uri, cfg.instructions_version)
-    n_chunks = math.ceil(frame.height / cfg.chunk_size)
-    mine = [i for i in range(n_chunks) if i % env.world_size == env.rank]
+    frame = read_train_split(job.instructions_uri, job.instructions_version)
+    total = n_chunks(frame.height, cfg.chunk_size)
+    mine = [i for i in range(total) if i % env.world_size == env.rank]
     todo = [i for i in mine if not chunk_path(chunk_dir, i).exists()]
-    already = sum(1 for i in range(n_chunks) if chunk_path(chunk_dir, i).exists())
+    already = chunks_done(chunk_dir, frame.height, cfg.chunk_size)
     report.info(
-        f"embedding {frame.height} samples in {n_chunks} chunks on {env.world_size} rank(s); "
+        f"embedding {frame.height} samples in {total} chunks on {env.world_size} rank(s); "
         f"{already} chunk(s) already done"
     )
     torch.manual_seed(0)
-    model, tokenizer = load_model_and_tokenizer(cfg.model_path, device=str(env.device))
+    model, tokenizer = load_model_and_tokenizer(job.model_path, device=str(env.device))
     progress_file = chunk_dir / f"progress_rank{env.rank}.json"
     progress_file.unlink(missing_ok=True)  # counts of an earlier, interrupted run
-    state = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
+    state: dict[str, Any] = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
     done_before = sum(min(cfg.chunk_size, frame.height - i * cfg.chunk_size)
-                      for i in range(n_chunks) if chunk_path(chunk_dir, i).exists())
+                      for i in range(total) if chunk_path(chunk_dir, i).exists())
 
     def on_batch(samples: int, tokens: int) -> None:
         state["samples"] += samples
         state["tokens"] += tokens
         now = time.time()
-        if now - state["last"] < cfg.progress_every_s:
+        if now - state["last"] < job.progress_every_s:
             return
         state["last"] = now
         progress_file.write_text(json.dumps({"samples": state["samples"], "tokens": state["tokens"]}))
@@ -215,7 +240,7 @@ def _run(cfg: EmbedConfig, env, report) -> None:
 
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
-        out = embed_frame(model, tokenizer, rows, cfg, on_batch)
+        out = embed_frame(model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch)
         target = chunk_path(chunk_dir, i)
         tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)
@@ -228,7 +253,7 @@ def _run(cfg: EmbedConfig, env, report) -> None:
         f"{sum(g[1] for g in gathered) / max(max(g[2] for g in gathered), 1e-9):.0f} tokens/s"
     )
     if env.is_main:
-        (chunk_dir / "pass_stats.json").write_text(
+        (chunk_dir / PASS_STATS).write_text(
             json.dumps({"samples": sum(g[0] for g in gathered), "tokens": sum(g[1] for g in gathered),
                         "seconds": max(g[2] for g in gathered), "world_size": env.world_size})
         )

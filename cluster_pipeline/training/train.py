@@ -1,24 +1,28 @@
-"""Data-parallel fine-tuning, one rank per cluster, re-weighted (DESIGN.md steps 4-5).
+"""Data-parallel fine-tuning, one rank per cluster, re-weighted (docs/design.md, steps 4-5).
 
 Launch lines::
 
     # one process (world size 1: one shard manifest)
-    python -m cluster_pipeline.training.train --config train_config.json
+    python -m cluster_pipeline.training.train --config train_job.json
     # K ranks on one machine, rank c trains on shard manifest c (gloo on CPU, nccl on GPUs)
-    torchrun --standalone --nproc_per_node=K -m cluster_pipeline.training.train --config train_config.json
+    torchrun --standalone --nproc_per_node=K -m cluster_pipeline.training.train --config train_job.json
     # several machines: same command on each node, with
     torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
-        --nproc_per_node=K/2 -m cluster_pipeline.training.train --config train_config.json
+        --nproc_per_node=K/2 -m cluster_pipeline.training.train --config train_job.json
 
-Rank c reads ``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N.
+The job file is a :class:`~cluster_pipeline.training.config.TrainJob`. Rank c reads ``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N.
 DDP averages gradients over the K ranks, so each update follows (1/K) sum_c w_c g_c =
 sum_c (n_c / N) g_c: the stratified estimate of the full-data gradient. Every rank must take the
 same number of optimizer steps (DDP hangs otherwise); that is checked before the first step.
 
 Rank 0 alone logs (through Dagster Pipes when launched by the ``trained_checkpoint`` asset),
-writes ``metrics.jsonl`` and saves the checkpoint: ``save_pretrained`` output (safetensors) and
-the tokenizer, written to a temporary folder and renamed, plus ``training_info.json`` naming the
-manifests' content hashes, the base model and the config.
+writes the per-step metrics and saves the checkpoint: ``save_pretrained`` output (safetensors)
+and the tokenizer, written to a temporary folder and renamed, plus ``training_info.json`` naming
+the manifests' content hashes, the base model and the job (layout: core/checkpoints.py).
+
+The run is split as torchtune's recipes are: :func:`setup` (model, data, optimizer, scheduler,
+resume), :func:`train_step` (one optimizer step), :func:`save_intermediate` (resumable state) and
+:func:`finalize` (the checkpoint and its ``training_info.json``).
 """
 
 if __name__ == "__main__":
@@ -27,7 +31,6 @@ if __name__ == "__main__":
 
     die_with_parent()
 
-import argparse
 import json
 import math
 import os
@@ -36,8 +39,9 @@ import subprocess
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -45,74 +49,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from cluster_pipeline.core.checkpoints import (
+    TRAINING_INFO,
+    intermediate_dir,
+    metrics_path,
+)
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
-from cluster_pipeline.core.tokenization import collate, encode_sample
-from cluster_pipeline.training.config import JsonConfig
+from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_sample
+from cluster_pipeline.training.config import TrainJob, TrainSettings
 from cluster_pipeline.training.distributed import (
+    DistEnv,
+    Reporter,
     all_gather_floats,
-    init_distributed,
-    reporter,
-    shutdown_distributed,
+    run_entry_point,
 )
 
-SCHEDULES = ("cosine", "linear", "constant")
 TRAINING_STATE = "training_state.pt"
-
-
-@dataclass(frozen=True)
-class TrainConfig(JsonConfig):
-    """Settings of one fine-tuning run (written as JSON by the asset)."""
-
-    model_path: str
-    instructions_uri: str
-    instructions_version: int
-    manifests: list[str]
-    output_dir: str
-    max_length: int = 512
-    per_device_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    epochs: int = 1
-    max_steps: int | None = None
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    schedule: str = "cosine"
-    max_grad_norm: float = 1.0
-    bf16: bool = False
-    reweight: bool = True
-    seed: int = 0
-    save_every_steps: int | None = None
-    keep_checkpoints: int = 2
-    resume: bool = True
-    provenance: dict = field(default_factory=dict)
-
-    def validate(self) -> None:
-        """Raises ValueError naming the first bad option."""
-        positive = ("max_length", "per_device_batch_size", "gradient_accumulation_steps", "epochs")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"TrainConfig.max_steps must be >= 1 or null, got {self.max_steps}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.save_every_steps is not None and self.save_every_steps < 1:
-            raise ValueError(f"TrainConfig.save_every_steps must be >= 1 or null, got {self.save_every_steps}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"TrainConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if not self.manifests:
-            raise ValueError("TrainConfig.manifests is empty: give one shard manifest per rank")
-
 
 
 def steps_per_epoch(n_samples: int, batch_size: int, accumulation: int) -> int:
     """Optimizer steps for one pass over ``n_samples``: ceil(n / (batch_size * accumulation))."""
     return math.ceil(n_samples / (batch_size * accumulation))
+
+
+def total_steps(n_samples: int, settings: TrainSettings) -> int:
+    """Optimizer steps of the whole run: epochs x steps per epoch, capped by ``max_steps``."""
+    steps = settings.epochs * steps_per_epoch(
+        n_samples, settings.per_device_batch_size, settings.gradient_accumulation_steps)
+    return steps if settings.max_steps is None else min(steps, settings.max_steps)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -147,6 +112,23 @@ def weighted_loss(model, batch: dict[str, torch.Tensor], weight: float, accumula
     return out.loss * (weight / accumulation), out.loss.detach(), int((batch["labels"] != -100).sum())
 
 
+def step_plan(n_samples: int, settings: TrainSettings,
+              n_steps: int) -> list[tuple[int, list[np.ndarray]]]:
+    """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
+    that a resumed run sees exactly the batches the interrupted one would have. Epoch 0 follows
+    the manifest's seeded order; later epochs reshuffle it with seed + epoch."""
+    batch, acc = settings.per_device_batch_size, settings.gradient_accumulation_steps
+    per_epoch = steps_per_epoch(n_samples, batch, acc)
+    plan = []
+    for epoch in range(settings.epochs):
+        order = np.arange(n_samples)
+        if epoch:
+            order = np.random.default_rng(settings.seed + epoch).permutation(n_samples)
+        micro = [order[i : i + batch] for i in range(0, n_samples, batch)]
+        plan += [(epoch, micro[s * acc : (s + 1) * acc]) for s in range(per_epoch)]
+    return plan[:n_steps]
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -158,13 +140,13 @@ def _git_commit() -> str | None:
         return None
 
 
-def load_shard_samples(cfg: TrainConfig, manifest: ShardManifest) -> pl.DataFrame:
+def load_shard_samples(job: TrainJob, manifest: ShardManifest) -> pl.DataFrame:
     """The manifest's samples (system, prompt, response) in manifest order, duplicates kept.
 
     Raises:
         KeyError: a sample_id of the manifest is missing from the instructions table version.
     """
-    table = pl.read_delta(cfg.instructions_uri, version=cfg.instructions_version,
+    table = pl.read_delta(job.instructions_uri, version=job.instructions_version,
                           columns=["sample_id", "system", "prompt", "response"])
     order = pl.DataFrame({"sample_id": list(manifest.sample_ids)}).with_row_index("position")
     rows = order.join(table, on="sample_id", how="left").sort("position")
@@ -172,42 +154,49 @@ def load_shard_samples(cfg: TrainConfig, manifest: ShardManifest) -> pl.DataFram
     if missing:
         raise KeyError(
             f"rank {manifest.rank}: {len(missing)} sample_id(s) of the shard manifest are not in "
-            f"{cfg.instructions_uri}@v{cfg.instructions_version}, e.g. {missing[:3]}; "
+            f"{job.instructions_uri}@v{job.instructions_version}, e.g. {missing[:3]}; "
             "re-materialize shard_manifests from the current raw_instructions."
         )
     return rows
 
 
-@record
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="TrainConfig JSON file")
-    args = parser.parse_args(argv)
-    cfg = TrainConfig.load(args.config)
-    env = init_distributed()
-    # On success, leave the process group cleanly; on an error, exit without tearing it down
-    # first, so the peers' errors do not race ahead of this rank's own (see @record).
-    with reporter(env) as report:
-        train(cfg, env, report)
-    shutdown_distributed()
+@dataclass
+class TrainRun:
+    """Everything one rank holds during training; ``step``..``history`` change as it goes."""
+
+    job: TrainJob
+    env: DistEnv
+    model: torch.nn.Module
+    ddp_model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    encoded: list[EncodedSample]
+    weight: float
+    plan: list[tuple[int, list[np.ndarray]]]
+    manifest_hashes: list[str]
+    resumed_from: Path | None
+    step: int = 0
+    tokens_seen: int = 0
+    start: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.plan)
+
+    @property
+    def settings(self) -> TrainSettings:
+        return self.job.settings
 
 
-def train(cfg: TrainConfig, env, report) -> None:
-    if env.world_size != len(cfg.manifests):
-        raise ValueError(
-            f"world size {env.world_size} != {len(cfg.manifests)} shard manifests: launch "
-            f"torchrun with --nproc_per_node x --nnodes = {len(cfg.manifests)}"
-        )
-    manifest = ShardManifest.read(Path(cfg.manifests[env.rank]))
-    if manifest.rank != env.rank:
-        raise ValueError(f"manifest {cfg.manifests[env.rank]} is for rank {manifest.rank}, not {env.rank}")
-    weight = manifest.weight if cfg.reweight else 1.0
-    per_epoch = steps_per_epoch(manifest.n_samples, cfg.per_device_batch_size,
-                                cfg.gradient_accumulation_steps)
-    total_steps = per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
-    counts = all_gather_floats([float(manifest.n_samples), float(total_steps)], env)
+def check_equal_steps(n_samples: int, steps: int, env: DistEnv) -> None:
+    """Every rank must take the same number of optimizer steps (DDP hangs otherwise).
+
+    Raises:
+        ValueError: the ranks' step counts differ; the message lists (samples, steps) per rank.
+    """
+    counts = all_gather_floats([float(n_samples), float(steps)], env)
     if len({c[1] for c in counts}) != 1:
         raise ValueError(
             "ranks would take different numbers of optimizer steps "
@@ -215,20 +204,42 @@ def train(cfg: TrainConfig, env, report) -> None:
             "manifest must hold the same number of samples"
         )
 
+
+def setup(job: TrainJob, env: DistEnv) -> TrainRun:
+    """Read this rank's manifest and samples, check the step counts, build model, DDP wrapper,
+    optimizer and scheduler, and restore the latest intermediate checkpoint if resuming.
+
+    Raises:
+        ValueError: world size != number of manifests, a manifest for another rank, unequal
+            step counts, or a resume checkpoint trained on other manifests.
+    """
+    cfg = job.settings
+    if env.world_size != len(job.manifests):
+        raise ValueError(
+            f"world size {env.world_size} != {len(job.manifests)} shard manifests: launch "
+            f"torchrun with --nproc_per_node x --nnodes = {len(job.manifests)}"
+        )
+    manifest = ShardManifest.read(Path(job.manifests[env.rank]))
+    if manifest.rank != env.rank:
+        raise ValueError(f"manifest {job.manifests[env.rank]} is for rank {manifest.rank}, "
+                         f"not {env.rank}")
+    steps = total_steps(manifest.n_samples, cfg)
+    check_equal_steps(manifest.n_samples, steps, env)
+
     torch.manual_seed(cfg.seed + env.rank)
     np.random.seed(cfg.seed + env.rank)
-    checkpoints = CheckpointDir(Path(cfg.output_dir + ".checkpoints"))
-    manifest_hashes = [ShardManifest.read(Path(p)).sha256 for p in cfg.manifests]
+    checkpoints = CheckpointDir(intermediate_dir(job.output_dir))
+    manifest_hashes = [ShardManifest.read(Path(p)).sha256 for p in job.manifests]
     resume = checkpoints.latest() if cfg.resume else None
     model, tokenizer = load_model_and_tokenizer(
-        str(resume) if resume else cfg.model_path, device=str(env.device)
+        str(resume) if resume else job.model_path, device=str(env.device)
     )
     model.train()
     model.config.use_cache = False
-    rows = load_shard_samples(cfg, manifest)
+    rows = load_shard_samples(job, manifest)
     encoded = [
         encode_sample(tokenizer, s, p, r, cfg.max_length)
-        for s, p, r in zip(rows["system"], rows["prompt"], rows["response"])
+        for s, p, r in zip(rows["system"], rows["prompt"], rows["response"], strict=True)
     ]
     ddp_model = (
         torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
@@ -236,11 +247,17 @@ def train(cfg: TrainConfig, env, report) -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
-    warmup = int(cfg.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.schedule, warmup, total_steps)
+        optimizer, lr_lambda(cfg.schedule, int(cfg.warmup_ratio * steps), steps)
     )
-    step, tokens_seen, elapsed_before, history = 0, 0, 0.0, []
+    run = TrainRun(
+        job=job, env=env, model=model, ddp_model=ddp_model, tokenizer=tokenizer,
+        optimizer=optimizer, scheduler=scheduler, encoded=encoded,
+        weight=manifest.weight if cfg.reweight else 1.0,
+        plan=step_plan(len(encoded), cfg, steps), manifest_hashes=manifest_hashes,
+        resumed_from=resume,
+    )
+    elapsed_before = 0.0
     if resume is not None:
         state = torch.load(resume / TRAINING_STATE, weights_only=False)
         if state["manifest_sha256"] != manifest_hashes:
@@ -251,135 +268,156 @@ def train(cfg: TrainConfig, env, report) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"][env.rank])
-        step, tokens_seen = state["step"], state["tokens"]
-        elapsed_before, history = state["elapsed_seconds"], state["history"]
+        run.step, run.tokens_seen = state["step"], state["tokens"]
+        elapsed_before, run.history = state["elapsed_seconds"], state["history"]
+    run.start = time.time() - elapsed_before
+    return run
+
+
+def train_step(run: TrainRun) -> dict[str, Any]:
+    """One optimizer step over this step's micro-batches (gradients synchronised on the last
+    one only); returns its metrics record, gathered over ranks."""
+    env, cfg = run.env, run.settings
+    t0 = time.time()
+    epoch, group = run.plan[run.step]
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-    report.info(
-        f"training {env.world_size} rank(s) x {manifest.n_samples} samples, {total_steps} steps "
-        f"(batch {cfg.per_device_batch_size} x accumulation {cfg.gradient_accumulation_steps}); "
-        f"rank weights {[round(w, 4) for w in _gather_weights(weight, env)]}"
-        + (f"; resuming from {resume.name}" if resume else "")
-    )
+    losses, tokens = [], 0
+    for j, idx in enumerate(group):
+        batch = collate([run.encoded[i] for i in idx], run.tokenizer.pad_token_id, "right")
+        batch = {k: v.to(env.device) for k, v in batch.items()}
+        last = j == len(group) - 1
+        # DDP all-reduces gradients on every backward unless told otherwise: only the last
+        # micro-batch of an accumulation group synchronises.
+        ddp = run.ddp_model
+        ctx = (ddp.no_sync() if isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+               and not last else nullcontext())
+        with ctx, autocast:
+            loss, raw, n_tok = weighted_loss(run.ddp_model, batch, run.weight, len(group))
+            loss.backward()
+        losses.append(float(raw))
+        tokens += n_tok
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm))
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    gathered = all_gather_floats([float(np.mean(losses)), float(tokens), time.time() - t0], env)
+    run.tokens_seen += int(sum(g[1] for g in gathered))
+    entry = {
+        "step": run.step,
+        "epoch": epoch,
+        "lr": run.scheduler.get_last_lr()[0],
+        "loss_per_rank": [g[0] for g in gathered],
+        "loss": float(np.mean([g[0] for g in gathered])),
+        "grad_norm": grad_norm,
+        "tokens": int(sum(g[1] for g in gathered)),
+        "step_seconds": max(g[2] for g in gathered),
+        "elapsed_seconds": time.time() - run.start,
+    }
+    run.history.append(entry)
+    return entry
 
-    metrics_path = Path(cfg.output_dir + ".metrics.jsonl")
-    metrics_file = None
-    if env.is_main:
-        metrics_file = metrics_path.open("w")
-        metrics_file.writelines(json.dumps(r) + "\n" for r in history)
-    plan = step_plan(len(encoded), cfg, total_steps)
-    start = time.time() - elapsed_before
-    while step < total_steps:
-        t0 = time.time()
-        epoch, group = plan[step]
-        losses, tokens = [], 0
-        for j, idx in enumerate(group):
-            batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
-            batch = {k: v.to(env.device) for k, v in batch.items()}
-            sync = j == len(group) - 1
-            ctx = ddp_model.no_sync() if (dist.is_initialized() and not sync) else nullcontext()
-            with ctx, autocast:
-                loss, raw, n_tok = weighted_loss(ddp_model, batch, weight, len(group))
-                loss.backward()
-            losses.append(float(raw))
-            tokens += n_tok
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        gathered = all_gather_floats([float(np.mean(losses)), float(tokens), time.time() - t0], env)
-        tokens_seen += int(sum(g[1] for g in gathered))
-        record = {
-            "step": step,
-            "epoch": epoch,
-            "lr": scheduler.get_last_lr()[0],
-            "loss_per_rank": [g[0] for g in gathered],
-            "loss": float(np.mean([g[0] for g in gathered])),
-            "grad_norm": grad_norm,
-            "tokens": int(sum(g[1] for g in gathered)),
-            "step_seconds": max(g[2] for g in gathered),
-            "elapsed_seconds": time.time() - start,
+
+def save_intermediate(run: TrainRun, report: Reporter) -> None:
+    """A resumable checkpoint (weights, optimizer, scheduler, every rank's RNG, history) under
+    ``<output_dir>.checkpoints/step_<n>/``; collective: every rank must call it."""
+    rng = _gather_objects(torch.get_rng_state(), run.env)
+    if run.env.is_main:
+        state = {
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "rng": rng,
+            "step": run.step,
+            "tokens": run.tokens_seen,
+            "elapsed_seconds": time.time() - run.start,
+            "history": run.history,
+            "manifest_sha256": run.manifest_hashes,
         }
-        history.append(record)
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        report.info(
-            f"step {step}/{total_steps} loss {record['loss']:.4f} "
-            f"(ranks {[round(x, 4) for x in record['loss_per_rank']]}) "
-            f"{record['tokens'] / max(record['step_seconds'], 1e-9):.0f} response tokens/s"
-        )
-        if cfg.save_every_steps and step % cfg.save_every_steps == 0 and step < total_steps:
-            rng = _gather_objects(torch.get_rng_state(), env)
-            if env.is_main:
-                state = {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng,
-                    "step": step,
-                    "tokens": tokens_seen,
-                    "elapsed_seconds": time.time() - start,
-                    "history": history,
-                    "manifest_sha256": manifest_hashes,
-                }
-                path = checkpoints.save(model, tokenizer, step, state, cfg.keep_checkpoints)
-                report.info(f"saved {path}")
-            if dist.is_initialized():
-                dist.barrier()
-    train_seconds = time.time() - start
-    if metrics_file is not None:
-        metrics_file.close()
+        path = CheckpointDir(intermediate_dir(run.job.output_dir)).save(
+            run.model, run.tokenizer, run.step, state, run.settings.keep_checkpoints)
+        report.info(f"saved {path}")
+    if dist.is_initialized():
+        dist.barrier()
 
-    if env.is_main:
+
+def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
+    """Rank 0 saves the checkpoint with its ``training_info.json`` and reports it to Dagster;
+    every rank then waits for it."""
+    job = run.job
+    if run.env.is_main:
         info = {
-            "base_model": cfg.model_path,
+            "base_model": job.model_path,
             "manifests": [
                 {"rank": r, "path": p, "sha256": h}
-                for r, (p, h) in enumerate(zip(cfg.manifests, manifest_hashes))
+                for r, (p, h) in enumerate(zip(job.manifests, run.manifest_hashes, strict=True))
             ],
-            "config": asdict(cfg),
+            "config": job.model_dump(mode="json"),
             "git_commit": _git_commit(),
-            "world_size": env.world_size,
-            "steps": step,
-            "resumed_from_step": int(resume.name.split("_")[-1]) if resume else None,
+            "world_size": run.env.world_size,
+            "steps": run.step,
+            "resumed_from_step": (int(run.resumed_from.name.split("_")[-1])
+                                  if run.resumed_from else None),
             "train_seconds": train_seconds,
-            "tokens": tokens_seen,
-            "final_loss": history[-1]["loss"] if history else float("nan"),
+            "tokens": run.tokens_seen,
+            "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
         }
-        save_checkpoint(model, tokenizer, Path(cfg.output_dir), info)
+        save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)
         report.materialization(
             {
-                "checkpoint_path": cfg.output_dir,
-                "steps": step,
+                "checkpoint_path": job.output_dir,
+                "steps": run.step,
                 "train_seconds": round(train_seconds, 2),
-                "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
+                "tokens_per_second": round(run.tokens_seen / max(train_seconds, 1e-9), 1),
                 "final_loss": info["final_loss"],
-                "manifest_sha256": manifest_hashes,
-                "metrics_path": str(metrics_path),
+                "manifest_sha256": run.manifest_hashes,
+                "metrics_path": str(metrics_path(job.output_dir)),
             }
         )
     if dist.is_initialized():
         dist.barrier()
 
 
-def step_plan(n_samples: int, cfg: TrainConfig, total_steps: int) -> list[tuple[int, list[np.ndarray]]]:
-    """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
-    that a resumed run sees exactly the batches the interrupted one would have. Epoch 0 follows
-    the manifest's seeded order; later epochs reshuffle it with seed + epoch."""
-    per_epoch = steps_per_epoch(n_samples, cfg.per_device_batch_size, cfg.gradient_accumulation_steps)
-    plan = []
-    for epoch in range(cfg.epochs):
-        order = np.arange(n_samples)
-        if epoch:
-            order = np.random.default_rng(cfg.seed + epoch).permutation(n_samples)
-        micro = [order[i : i + cfg.per_device_batch_size]
-                 for i in range(0, n_samples, cfg.per_device_batch_size)]
-        acc = cfg.gradient_accumulation_steps
-        plan += [(epoch, micro[s * acc : (s + 1) * acc]) for s in range(per_epoch)]
-    return plan[:total_steps]
+def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
+    """The whole run on this rank: setup, the optimizer steps (metrics to
+    ``<output_dir>.metrics.jsonl``, intermediate saves every ``save_every_steps``), finalize."""
+    run = setup(job, env)
+    cfg = run.settings
+    report.info(
+        f"training {env.world_size} rank(s) x {len(run.encoded)} samples, {run.total_steps} steps "
+        f"(batch {cfg.per_device_batch_size} x accumulation {cfg.gradient_accumulation_steps}); "
+        f"rank weights {[round(w, 4) for w in _gather_weights(run.weight, env)]}"
+        + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
+    )
+    metrics_file = None
+    if env.is_main:
+        metrics_file = metrics_path(job.output_dir).open("w")
+        metrics_file.writelines(json.dumps(r) + "\n" for r in run.history)
+    try:
+        while run.step < run.total_steps:
+            entry = train_step(run)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(entry) + "\n")
+                metrics_file.flush()
+            report.info(
+                f"step {run.step}/{run.total_steps} loss {entry['loss']:.4f} "
+                f"(ranks {[round(x, 4) for x in entry['loss_per_rank']]}) "
+                f"{entry['tokens'] / max(entry['step_seconds'], 1e-9):.0f} response tokens/s"
+            )
+            every = cfg.save_every_steps
+            if every and run.step % every == 0 and run.step < run.total_steps:
+                save_intermediate(run, report)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    finalize(run, time.time() - run.start, report)
 
 
-def _gather_objects(obj, env) -> list:
+@record
+def main(argv: list[str] | None = None) -> None:
+    run_entry_point(TrainJob, train, argv, __doc__ or "")
+
+
+def _gather_objects(obj, env: DistEnv) -> list:
     if env.world_size == 1 or not dist.is_initialized():
         return [obj]
     out = [None] * env.world_size
@@ -387,7 +425,7 @@ def _gather_objects(obj, env) -> list:
     return out
 
 
-def _gather_weights(weight: float, env) -> list[float]:
+def _gather_weights(weight: float, env: DistEnv) -> list[float]:
     return [g[0] for g in all_gather_floats([weight], env)]
 
 
@@ -426,7 +464,7 @@ def save_checkpoint(model, tokenizer, out_dir: Path, info: dict, extra: dict | N
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=1, default=str))
+        (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
         for name, obj in (extra or {}).items():
             torch.save(obj, tmp / name)
         if out_dir.exists():

@@ -6,7 +6,7 @@ import torch
 
 from cluster_pipeline.core.embedding import embed_batch, l2_normalise
 from cluster_pipeline.core.tokenization import collate, encode_sample
-from cluster_pipeline_tests.conftest import build_model, build_tokenizer
+from cluster_pipeline_tests.helpers import build_model, build_tokenizer
 
 SAMPLES = [
     ("", "Add 3 and 4.", "The sum is 7."),
@@ -69,7 +69,7 @@ def test_embedding_matches_the_design_formula_by_hand(tiny_model, tiny_tokenizer
 def test_embedding_is_the_same_alone_and_in_a_padded_batch(padding_side, pad_kind):
     pad = {"pad_token": "<pad>", "pad_is_eos": "<|im_end|>", "no_pad_token": None}[pad_kind]
     tok = build_tokenizer(pad=pad)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     model = build_model(len(tok), seed=3, pad_token_id=tok.pad_token_id)
     encoded = [encode_sample(tok, *s, max_length=128) for s in SAMPLES]
     assert len({len(e) for e in encoded}) > 4, "the batch must mix lengths"

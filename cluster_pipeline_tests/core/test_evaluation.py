@@ -18,7 +18,7 @@ from cluster_pipeline.core.evaluation import (
 )
 from cluster_pipeline.core.sandbox import run_python
 from cluster_pipeline.core.tokenization import collate, encode_sample
-from cluster_pipeline_tests.conftest import SHARED_DATASETS
+from cluster_pipeline_tests.helpers import SHARED_DATASETS
 
 PROBLEM = CodeProblem("t/0", "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "add",
                       "assert add(2, 3) == 5\n", ("\ndef", "\n#"))

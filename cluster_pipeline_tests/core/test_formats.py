@@ -12,7 +12,7 @@ from cluster_pipeline.core.formats import (
     read_dataset_folder,
     sample_id,
 )
-from cluster_pipeline_tests.conftest import SHARED_DATASETS
+from cluster_pipeline_tests.helpers import SHARED_DATASETS
 
 
 @pytest.mark.parametrize(

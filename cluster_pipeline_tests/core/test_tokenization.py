@@ -8,7 +8,7 @@ from cluster_pipeline.core.tokenization import (
     encode_sample,
     length_batches,
 )
-from cluster_pipeline_tests.conftest import build_tokenizer
+from cluster_pipeline_tests.helpers import build_tokenizer
 
 
 def _response_ids(sample):

@@ -4,7 +4,8 @@ import dagster as dg
 import pytest
 
 from cluster_pipeline.definitions import defs
-from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG, STAGES
+from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
+from cluster_pipeline.defs.stages import STAGES
 from cluster_pipeline.defs.resources import TorchrunResource
 
 

@@ -8,9 +8,10 @@ import dagster as dg
 import pytest
 
 from cluster_pipeline.core.report import ModelResult, aggregate, dataset_benchmarks, markdown_table
-from cluster_pipeline.defs.assets.eval_report import eval_report
-from cluster_pipeline.defs.partitions import dataset_partitions
-from cluster_pipeline_tests.defs.test_pipeline_e2e import ASSETS, RUN_CONFIG, meta, resources
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
+
+ASSETS = pipeline_assets()
 
 
 def test_aggregate_gives_mean_and_sample_std_per_group():
@@ -54,7 +55,7 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
         "max_length": 64, "benchmarks": ["mbpp", "mmlu_medical"], "max_new_tokens": 8,
         "eval_data_dir": str(eval_dir)}}}}
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
         assert dg.materialize(ASSETS[:6], partition_key="tiny", instance=instance, resources=res,
                               run_config={"ops": {k: v for k, v in RUN_CONFIG["ops"].items()
                                                   if k != "eval_report"}}).success
@@ -70,7 +71,7 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
         assert dg.materialize(ASSETS[3:6], partition_key="tiny", instance=instance,
                               resources=res, run_config=cfg).success
         assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is True
-        assert dg.materialize([eval_report], partition_key="tiny", instance=instance,
+        assert dg.materialize([ASSETS[6]], partition_key="tiny", instance=instance,
                               resources=res, run_config=eval_cfg).success
         m = meta(instance, "eval_report")
         assert m["models_compared"] == 4
@@ -82,6 +83,6 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
             assert (report.parent / png).stat().st_size > 1000 and f"![{png}]({png})" in text
         assert {"base/mbpp_pass@1", "tuned/mmlu_medical_accuracy"} <= set(m)
         # Evaluations are cached: a second report evaluates nothing again.
-        assert dg.materialize([eval_report], partition_key="tiny", instance=instance,
+        assert dg.materialize([ASSETS[6]], partition_key="tiny", instance=instance,
                               resources=res, run_config=eval_cfg).success
         assert len(list((report.parent / "evals").glob("*.json"))) == 4

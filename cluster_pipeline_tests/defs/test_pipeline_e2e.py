@@ -11,52 +11,18 @@ import polars as pl
 import pytest
 
 from cluster_pipeline.core.sharding import ShardManifest
-from cluster_pipeline.defs.assets.balanced_clusters import balanced_clusters
-from cluster_pipeline.defs.assets.eval_report import eval_report
-from cluster_pipeline.defs.assets.peripheral_subsets import peripheral_subsets
-from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
-from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
-from cluster_pipeline.defs.assets.shard_manifests import shard_manifests
-from cluster_pipeline.defs.assets.trained_checkpoint import trained_checkpoint
-from cluster_pipeline.defs.partitions import dataset_partitions
-from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline_tests.helpers import (
+    RUN_CONFIG,
+    meta,
+    pipeline_assets,
+    read,
+    resources,
+    run_config_for,
+    step_failure,
+)
 
-ASSETS = [raw_instructions, proxy_embeddings, balanced_clusters, peripheral_subsets,
-          shard_manifests, trained_checkpoint, eval_report]
-
-RUN_CONFIG = {
-    "ops": {
-        "raw_instructions": {"config": {"heldout_fraction": 0.1}},
-        "proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16}},
-        "balanced_clusters": {"config": {"num_clusters": 2, "alpha": 1.3}},
-        "peripheral_subsets": {"config": {"ratio": 0.5}},
-        "trained_checkpoint": {"config": {"max_length": 64, "per_device_batch_size": 2,
-                                          "learning_rate": 1e-3}},
-        "eval_report": {"config": {"max_length": 64, "benchmarks": ["humaneval"],
-                                   "humaneval_problems": 2, "max_new_tokens": 8}},
-    }
-}
-
-
-def resources(data_dir: Path, model_dir: Path) -> dict:
-    return {
-        "storage": StorageResource(data_dir=str(data_dir)),
-        "base_model": BaseModelResource(model=str(model_dir)),
-        "torchrun": TorchrunResource(),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    }
-
-
-def meta(instance, asset: str, partition: str = "tiny") -> dict:
-    rec = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
-    ).records[0]
-    return {k: v.value for k, v in rec.asset_materialization.metadata.items()}
-
-
-def read(instance, asset: str) -> pl.DataFrame:
-    m = meta(instance, asset)
-    return pl.read_delta(str(m["table_uri"]), version=int(m["table_version"]))
+ASSETS = pipeline_assets()
 
 
 @pytest.mark.slow
@@ -64,7 +30,7 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
         result = dg.materialize(ASSETS, partition_key="tiny", instance=instance,
                                 resources=resources(tiny_data_dir, tiny_model_dir),
                                 run_config=RUN_CONFIG)
@@ -91,7 +57,7 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
             cl = subsets.filter(pl.col("cluster") == c)
             kept = cl.filter(pl.col("selected"))["sq_distance"]
             dropped = cl.filter(~pl.col("selected"))["sq_distance"]
-            assert dropped.len() == 0 or kept.min() >= dropped.max()
+            assert dropped.len() == 0 or kept.to_numpy().min() >= dropped.to_numpy().max()
 
         shards = read(instance, "shard_manifests")
         # Every selected sample appears in exactly one shard.
@@ -124,25 +90,60 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 @pytest.mark.slow
 def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model_dir):
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
         ok = dg.materialize(ASSETS[:5], partition_key="tiny", instance=instance,
-                            resources=resources(tiny_data_dir, tiny_model_dir), run_config={
-                                "ops": {k: v for k, v in RUN_CONFIG["ops"].items()
-                                        if k in {a.key.to_user_string() for a in ASSETS[:5]}}})
+                            resources=resources(tiny_data_dir, tiny_model_dir),
+                            run_config=run_config_for(ASSETS[:5]))
         assert ok.success
         before = read(instance, "shard_manifests")
         path = Path(meta(instance, "shard_manifests")["manifest_paths"][1])
         path.write_text(path.read_text().replace('"weight"', '"weight_typo"', 1))
         failed = dg.materialize(
-            [trained_checkpoint], partition_key="tiny", instance=instance,
+            [ASSETS[5]], partition_key="tiny", instance=instance,
             resources=resources(tiny_data_dir, tiny_model_dir), raise_on_error=False,
-            run_config={"ops": {"trained_checkpoint": RUN_CONFIG["ops"]["trained_checkpoint"]}},
+            run_config=run_config_for([ASSETS[5]]),
         )
         assert not failed.success
-        failure = next(e for e in failed.all_events if e.is_step_failure)
-        data = failure.step_failure_data.user_failure_data
-        assert "rank_1" in data.description and "weight_typo" in data.description
-        assert "rank_1 failed first" in data.description
-        assert "weight_typo" in data.metadata["rank_1"].value
+        description, metadata = step_failure(failed)
+        assert "rank_1" in description and "weight_typo" in description
+        assert "rank_1 failed first" in description
+        assert "weight_typo" in metadata["rank_1"]
         # Earlier tables are intact and readable.
         assert read(instance, "shard_manifests").equals(before)
+
+
+@pytest.mark.slow
+def test_downstream_stages_read_the_versions_their_inputs_were_built_from(tiny_data_dir,
+                                                                          tiny_model_dir):
+    """Re-running raw_instructions (another split: other training samples) and
+    proxy_embeddings after the chain was built must not leak into later stages run alone:
+    the PCA map reads the embeddings that were clustered, and training reads the
+    raw_instructions version the manifests were selected from (the newest one lacks some of
+    their samples, so reading it would fail)."""
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assert dg.materialize(ASSETS[:5], partition_key="tiny", instance=instance, resources=res,
+                              run_config=run_config_for(ASSETS[:5])).success
+        built_from = meta(instance, "shard_manifests")
+        first_raw = read(instance, "raw_instructions")
+        assert dg.materialize(ASSETS[:2], partition_key="tiny", instance=instance, resources=res,
+                              run_config=run_config_for(
+                                  ASSETS[:2], raw_instructions={"seed": 1})).success
+        newest_raw = read(instance, "raw_instructions")
+        assert set(first_raw.filter(pl.col("split") == "train")["sample_id"]) != \
+            set(newest_raw.filter(pl.col("split") == "train")["sample_id"])
+        assert meta(instance, "proxy_embeddings")["table_version"] == 1
+
+        assert dg.materialize(ASSETS[3:6], partition_key="tiny", instance=instance,
+                              resources=res, run_config=run_config_for(ASSETS[3:6])).success
+        inputs = meta(instance, "peripheral_subsets")["inputs"]
+        assert inputs["proxy_embeddings"]["version"] == 0
+        assert inputs["raw_instructions"]["version"] == 0
+        assert meta(instance, "shard_manifests")["inputs"] == {
+            **built_from["inputs"], "peripheral_subsets": {
+                "uri": built_from["inputs"]["peripheral_subsets"]["uri"], "version": 1}}
+        ckpt = Path(str(meta(instance, "trained_checkpoint")["checkpoint_path"]))
+        info = json.loads((ckpt / "training_info.json").read_text())
+        assert info["config"]["instructions_version"] == 0
+        assert info["config"]["provenance"]["proxy_embeddings_version"] == 0

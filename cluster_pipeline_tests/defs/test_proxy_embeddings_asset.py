@@ -6,8 +6,8 @@ import pytest
 
 from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
 from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
-from cluster_pipeline.defs.partitions import dataset_partitions
-from cluster_pipeline_tests.defs.test_pipeline_e2e import meta, read, resources
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline_tests.helpers import meta, read, resources
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def _run(instance, data_dir, model_dir, **embed_cfg):
 
 def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(dataset_partitions.name, ["tiny"])
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
         first = _run(instance, tiny_data_dir, tiny_model_dir)
         m1 = meta(instance, "proxy_embeddings")
         t1 = read(instance, "proxy_embeddings")

@@ -11,23 +11,24 @@ import numpy as np
 import pytest
 
 from cluster_pipeline.core.tables import series_to_matrix
-from cluster_pipeline.training.embed import EmbedConfig, chunk_path, gather_chunks, read_train_split
-from cluster_pipeline_tests.conftest import instructions_table, tiny_records, torchrun
+from cluster_pipeline.training.config import EmbedJob, EmbedSettings
+from cluster_pipeline.training.embed import chunk_path, gather_chunks, read_train_split
+from cluster_pipeline_tests.helpers import instructions_table, tiny_records, torchrun
 
 pytestmark = pytest.mark.slow
 
 
-def _config(tmp_path, model_dir, table, name, **kw) -> tuple[EmbedConfig, str]:
-    cfg = EmbedConfig(model_path=str(model_dir), instructions_uri=table.uri,
-                      instructions_version=table.version, chunk_dir=str(tmp_path / name),
-                      max_length=64, **kw)
+def _config(tmp_path, model_dir, table, name, **kw) -> tuple[EmbedJob, str]:
+    job = EmbedJob(settings=EmbedSettings(max_length=64, **kw), model_path=str(model_dir),
+                   instructions_uri=table.uri, instructions_version=table.version,
+                   chunk_dir=str(tmp_path / name))
     path = tmp_path / f"{name}.json"
-    cfg.dump(path)
-    return cfg, str(path)
+    job.dump(path)
+    return job, str(path)
 
 
-def _matrix(cfg, ids):
-    frame = gather_chunks(Path(cfg.chunk_dir), ids, cfg.chunk_size)
+def _matrix(job, ids):
+    frame = gather_chunks(Path(job.chunk_dir), ids, job.settings.chunk_size)
     ok = frame.filter(frame["skip_reason"].is_null())
     return frame, series_to_matrix(ok["embedding"])
 

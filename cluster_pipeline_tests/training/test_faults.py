@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_pipeline_tests.training.test_train_entry import _setup
+from cluster_pipeline_tests.helpers import train_job
 
 pytestmark = pytest.mark.slow
 LAUNCH = [sys.executable, "-m", "cluster_pipeline.training.launch", "--standalone",
@@ -49,7 +49,7 @@ def _wait_for_ranks(proc, n=2, timeout=60) -> set[int]:
 
 
 def test_an_exception_on_one_rank_ends_the_launch_quickly(tmp_path, tiny_model_dir):
-    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
+    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
     manifest = Path(cfg.manifests[1])
     manifest.write_text(manifest.read_text().replace('"rank": 1', '"rank": 1, "bogus": 0'))
     start = time.time()
@@ -61,7 +61,7 @@ def test_an_exception_on_one_rank_ends_the_launch_quickly(tmp_path, tiny_model_d
 
 @pytest.mark.parametrize("victim", ["launcher", "parent_of_launcher"])
 def test_no_rank_survives_a_killed_launcher_or_step(tmp_path, tiny_model_dir, victim):
-    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1,
+    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1,
                     epochs=50)
     cmd = [*LAUNCH, "--config", str(tmp_path / "train.json")]
     if victim == "parent_of_launcher":
@@ -91,7 +91,7 @@ def _free_port() -> int:
 def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir):
     from cluster_pipeline.defs.resources import TorchrunResource
 
-    cfg, _ = _setup(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, per_device_batch_size=2,
+    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, per_device_batch_size=2,
                     max_steps=1)
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
@@ -108,7 +108,7 @@ def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir)
 
 def test_sigint_to_the_launcher_stops_every_rank(tmp_path, tiny_model_dir):
     """What Dagster's Pipes client sends when a run is terminated."""
-    _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1, epochs=50)
+    train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1, epochs=50)
     proc = subprocess.Popen([*LAUNCH, "--config", str(tmp_path / "train.json")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_ranks(proc)

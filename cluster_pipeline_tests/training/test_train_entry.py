@@ -16,32 +16,11 @@ from safetensors.torch import load_file
 
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import collate, encode_sample
-from cluster_pipeline.training.train import TrainConfig, lr_lambda, step_plan, steps_per_epoch
-from cluster_pipeline_tests.conftest import (
-    instructions_table,
-    tiny_records,
-    torchrun,
-)
+from cluster_pipeline.training.config import TrainJob, TrainSettings
+from cluster_pipeline.training.train import lr_lambda, step_plan, steps_per_epoch
+from cluster_pipeline_tests.helpers import torchrun, train_job
 
 TRAIN = "cluster_pipeline.training.train"
-
-
-def _setup(tmp_path, model_dir, weights, per_rank, **cfg_kw):
-    records = tiny_records(40)
-    table = instructions_table(tmp_path / "raw", records)
-    import polars as pl
-
-    ids = pl.read_delta(table.uri)["sample_id"].to_list()
-    manifests = []
-    for r, w in enumerate(weights):
-        m = ShardManifest("t", r, len(weights), "peripheral", w, 0,
-                          tuple(ids[r * per_rank : (r + 1) * per_rank]))
-        manifests.append(str(m.write(tmp_path / "shards")))
-    cfg = TrainConfig(model_path=str(model_dir), instructions_uri=table.uri,
-                      instructions_version=table.version, manifests=manifests,
-                      output_dir=str(tmp_path / "ckpt"), max_length=64, **cfg_kw)
-    cfg.dump(tmp_path / "train.json")
-    return cfg, table
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -51,7 +30,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir):
     # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
-    cfg, table = _setup(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2,
+    cfg, table = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2,
                         per_device_batch_size=2, max_steps=1, learning_rate=1e-3,
                         warmup_ratio=0.0, schedule="constant", max_grad_norm=1e9)
     done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
@@ -76,7 +55,8 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
         batch = collate(enc, tok.pad_token_id)
         model.zero_grad()
         model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     for n, p in model.named_parameters():
         p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
@@ -94,12 +74,12 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
     common = dict(per_device_batch_size=2, epochs=3, learning_rate=5e-3, save_every_steps=2)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    ref_cfg, _ = _setup(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    ref_cfg, _ = train_job(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
     assert torchrun(TRAIN, 2, ["--config", str(ref_dir / "train.json")]).returncode == 0
 
     cut_dir = tmp_path / "cut"
     cut_dir.mkdir()
-    cut_cfg, _ = _setup(cut_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    cut_cfg, _ = train_job(cut_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", TRAIN, "--config", str(cut_dir / "train.json")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -125,7 +105,7 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_unequal_shards_are_refused_before_training(tmp_path, tiny_model_dir):
-    records_cfg, _ = _setup(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
+    records_cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
     path = Path(records_cfg.manifests[1])
     m = ShardManifest.read(path)
     ShardManifest(m.dataset, 1, 2, m.selector, m.weight, 0, m.sample_ids[:2]).write(path.parent)
@@ -140,9 +120,8 @@ def test_schedule_and_plan():
     g = lr_lambda("linear", 0, 4)
     assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert steps_per_epoch(10, 2, 2) == 3
-    cfg = TrainConfig("m", "u", 0, ["a"], "o", per_device_batch_size=2,
-                      gradient_accumulation_steps=2, epochs=2)
-    plan = step_plan(10, cfg, 6)
+    settings = TrainSettings(per_device_batch_size=2, gradient_accumulation_steps=2, epochs=2)
+    plan = step_plan(10, settings, 6)
     assert len(plan) == 6 and [e for e, _ in plan] == [0, 0, 0, 1, 1, 1]
     assert sorted(np.concatenate([b for _, g in plan[:3] for b in g]).tolist()) == list(range(10))
     assert [len(g) for _, g in plan[:3]] == [2, 2, 1]
@@ -153,10 +132,17 @@ def test_schedule_and_plan():
     ("schedule", "step", "schedule"),
     ("per_device_batch_size", 0, "per_device_batch_size"),
     ("manifests", [], "manifests"),
+    ("lerning_rate", 1e-4, "lerning_rate"),
 ])
 def test_config_errors_name_the_option(field, value, match):
-    kwargs = dict(model_path="m", instructions_uri="u", instructions_version=0, manifests=["a"],
-                  output_dir="o")
-    kwargs[field] = value
+    job = {"settings": {}, "model_path": "m", "instructions_uri": "u", "instructions_version": 0,
+           "manifests": ["a"], "output_dir": "o"}
+    if field in job:
+        job[field] = value
+    else:
+        job["settings"][field] = value
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs).validate()
+        TrainJob.model_validate(job)
+    # And as a rank reads it: from the JSON file the asset wrote.
+    with pytest.raises(ValueError, match=match):
+        TrainJob.model_validate_json(json.dumps(job))

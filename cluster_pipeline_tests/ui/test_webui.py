@@ -3,7 +3,6 @@ see the clusters' metadata render. Screenshots go to ``test_artifacts/ui/``."""
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_pipeline_tests.conftest import tiny_records, write_jsonl
+from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -50,10 +49,10 @@ def webserver(tmp_path, tiny_model_dir):
     (home / "dagster.yaml").write_text("")
     env = {**os.environ, "DAGSTER_HOME": str(home), "CLUSTER_PIPELINE_DATA_DIR": str(data),
            "CLUSTER_PIPELINE_BASE_MODEL": str(tiny_model_dir)}
-    subprocess.run([sys.executable, "-m", "cluster_pipeline.datasets", "sync"], env=env,
+    subprocess.run([sys.executable, "-m", "cluster_pipeline.cli", "datasets", "sync"], env=env,
                    check=True, cwd=ROOT, capture_output=True)
     port = _free_port()
-    dagster = shutil.which("dagster", path=str(Path(sys.executable).parent))
+    dagster = str(Path(sys.executable).parent / "dagster")
     proc = subprocess.Popen([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p",
                              str(port)], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,1 +1,1 @@
-"""One module per pipeline stage, in DESIGN.md order."""
+"""One module per pipeline stage, in docs/design.md order."""

@@ -1,28 +1,22 @@
 """Stage 3: balanced down-sampling, keeping the peripheral samples of every cluster."""
 
-
 import time
-from typing import Literal
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core import plots
-from cluster_pipeline.core.selection import select
-from cluster_pipeline.core.tables import write_table
-from cluster_pipeline.defs.metadata import (
-    latest_metadata,
-    markdown_table,
-    table_metadata,
-    upstream_table,
-)
-from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.core.selection import Selector, per_cluster_summary, select
+from cluster_pipeline.core.tables import markdown_preview, rows_for, write_table
+from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.records import BalancedClustersRecord, PeripheralSubsetsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.stages import stage_asset
 
 
 class PeripheralSubsetsConfig(dg.Config):
-    selector: Literal["peripheral", "core", "random", "uniform", "random_global", "full"] = Field(
+    selector: Selector = Field(
         default="peripheral",
         description="peripheral = farthest from centroid (CluSTER); core = nearest; random = "
         "within cluster; uniform = oversample every cluster to the largest; random_global = "
@@ -33,68 +27,61 @@ class PeripheralSubsetsConfig(dg.Config):
     seed: int = Field(default=0, description="Seed of the random selectors.")
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    deps=["balanced_clusters"],
-    group_name="selection",
-    kinds={"polars", "deltalake"},
-    code_version="1",
-    # Kept in sync with its parent; training and evaluation run only on request.
-    automation_condition=dg.AutomationCondition.eager(),
-)
+# proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
+@stage_asset("selection", deps=["balanced_clusters", "proxy_embeddings"],
+             kinds={"polars", "deltalake"})
 def peripheral_subsets(
     context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     """One row per clustered sample: ``selection_rank`` (0 = first chosen within its cluster by
     the selector), ``selected``, ``copies`` (times trained per epoch; > 1 only for uniform
     oversampling) and ``weight`` w_c = n_c K / N of its cluster (1 for selectors without
-    re-weighting). DESIGN.md steps 3 and 5.
+    re-weighting). docs/design.md, steps 3 and 5.
     """
     dataset = context.partition_key
     start = time.perf_counter()
-    clusters = upstream_table(context, "balanced_clusters").read()
-    k = int(latest_metadata(context, "balanced_clusters")["num_clusters"])
+    clusters = read_record(context, BalancedClustersRecord)
+    frame = clusters.table.read(["sample_id", "cluster", "sq_distance"])
     try:
-        result = select(clusters["cluster"].to_numpy(), clusters["sq_distance"].to_numpy(), k,
-                        config.selector, config.ratio, config.seed)
+        result = select(frame["cluster"].to_numpy(), frame["sq_distance"].to_numpy(),
+                        clusters.num_clusters, config.selector, config.ratio, config.seed)
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
-    frame = clusters.select("sample_id", "cluster", "sq_distance").with_columns(
+    frame = frame.with_columns(
         pl.Series("selection_rank", result.selection_rank),
         pl.Series("selected", result.selected),
         pl.Series("copies", result.copies),
         pl.Series("weight", result.weight),
     )
-    ref = write_table(frame, storage.table_uri("peripheral_subsets", dataset))
+    table = write_table(frame, storage.layout.table_uri("peripheral_subsets", dataset))
     seconds = time.perf_counter() - start
-
-    ids, matrix = upstream_table(context, "proxy_embeddings").read_vectors(
-        "embedding_normalised", keep="skip_reason")
-    position = ids.with_row_index("i").join(clusters.select("sample_id"), on="sample_id",
-                                            how="right")["i"].to_numpy()
-    x = matrix[position]
-    labels = clusters["cluster"].to_numpy()
-    map_png = plots.pca_map(x, labels, result.selected)
-    per_cluster = frame.group_by("cluster").agg(
-        pl.len().alias("n_c"), pl.col("copies").sum().alias("kept"), pl.col("weight").first().alias("w_c")
-    ).sort("cluster")
     context.log.info(
-        f"{config.selector} r={config.ratio}: {result.n_selected} of {len(labels)} samples "
+        f"{config.selector} r={config.ratio}: {result.n_selected} of {frame.height} samples "
         f"({100 * result.data_fraction:.1f}%)"
     )
-    return dg.MaterializeResult(
-        metadata={
-            **table_metadata(ref, frame.filter(pl.col("selected")), seconds),
-            "dagster/row_count": frame.height,
-            "selector": config.selector,
-            "ratio": config.ratio,
-            "seed": config.seed,
-            "per_cluster": result.per_cluster,
-            "selected_samples": result.n_selected,
-            "data_fraction": round(result.data_fraction, 4),
-            "cluster_weights": dg.MetadataValue.json([round(float(w), 6) for w in result.cluster_weights]),
-            "per_cluster_table": dg.MetadataValue.md(markdown_table(per_cluster, max_rows=64)),
-            "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
-        },
+    record = PeripheralSubsetsRecord(
+        table=table,
+        inputs=clusters.lineage(),
+        seconds=round(seconds, 3),
+        selection_seconds=round(clusters.selection_seconds + seconds, 2),
+        selector=config.selector,
+        ratio=config.ratio,
+        seed=config.seed,
+        per_cluster=result.per_cluster,
+        pool_size=frame.height,
+        selected_samples=result.n_selected,
+        data_fraction=round(result.data_fraction, 4),
+        cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
     )
-
+    ids, matrix = clusters.inputs["proxy_embeddings"].read_vectors("embedding_normalised",
+                                                                   keep="skip_reason")
+    map_png = plots.pca_map(rows_for(ids, matrix, frame["sample_id"]), frame["cluster"].to_numpy(),
+                            result.selected)
+    return dg.MaterializeResult(metadata={
+        **record.to_metadata(),
+        **table_display(frame.filter(pl.col("selected"))),
+        "dagster/row_count": frame.height,
+        "per_cluster_table": dg.MetadataValue.md(
+            markdown_preview(per_cluster_summary(frame), max_rows=64)),
+        "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
+    })

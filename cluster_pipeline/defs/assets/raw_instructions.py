@@ -1,6 +1,5 @@
 """Stage 0: read one dataset partition into a Delta table and set aside the held-out split."""
 
-
 import time
 
 import dagster as dg
@@ -9,10 +8,11 @@ from pydantic import Field
 from cluster_pipeline.core.datasets import build_instruction_table, load_samples, source_fingerprint
 from cluster_pipeline.core.formats import DatasetFormatError
 from cluster_pipeline.core.report import dataset_benchmarks
-from cluster_pipeline.core.tables import write_table
-from cluster_pipeline.defs.metadata import table_metadata
-from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.core.tables import mean_of, write_table
+from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.stages import stage_asset
 
 
 class RawInstructionsConfig(dg.Config):
@@ -31,12 +31,7 @@ class RawInstructionsConfig(dg.Config):
     seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    group_name="ingest",
-    kinds={"polars", "deltalake"},
-    code_version="1",
-)
+@stage_asset("ingest", kinds={"polars", "deltalake"})
 def raw_instructions(
     context: dg.AssetExecutionContext, config: RawInstructionsConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -44,13 +39,13 @@ def raw_instructions(
     (``train`` or ``heldout``), ``system``/``prompt``/``response`` and the ``source_file`` and
     1-based ``source_line`` it was read from. Duplicates (same content) keep their first source.
     """
-    dataset = context.partition_key
+    dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
     try:
         # Fail here, not after training, on a dataset's bad eval.json.
-        benchmarks = dataset_benchmarks(dataset, storage.raw_dir)
+        benchmarks = dataset_benchmarks(dataset, layout.raw_dir)
         frame, stats = build_instruction_table(
-            load_samples(dataset, storage.raw_dir),
+            load_samples(dataset, layout.raw_dir),
             heldout_fraction=config.heldout_fraction,
             max_heldout=config.max_heldout,
             max_train=config.max_train_samples,
@@ -58,26 +53,26 @@ def raw_instructions(
         )
     except (DatasetFormatError, FileNotFoundError, ValueError) as e:
         raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
-    ref = write_table(frame, storage.table_uri("raw_instructions", dataset))
-    seconds = time.perf_counter() - start
+    table = write_table(frame, layout.table_uri("raw_instructions", dataset))
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
         f"{stats.train} train (of {stats.train_available}), {stats.heldout} held out"
     )
-    return dg.MaterializeResult(
-        metadata={
-            **table_metadata(ref, frame, seconds,
-                             preview_columns=["sample_id", "split", "prompt", "source_file", "source_line"]),
-            "records_read": stats.records,
-            "duplicates_dropped": stats.duplicates,
-            "train_samples": stats.train,
-            "train_available": stats.train_available,
-            "heldout_samples": stats.heldout,
-            "forms": dg.MetadataValue.json(dict(zip(forms["form"], forms["len"]))),
-            "source_fingerprint": source_fingerprint(dataset, storage.raw_dir),
-            "benchmarks": dg.MetadataValue.json(list(benchmarks)),
-            "mean_response_chars": round(float(frame["response"].str.len_chars().mean()), 1),
-        },
+    record = RawInstructionsRecord(
+        table=table,
+        seconds=round(time.perf_counter() - start, 3),
+        source_fingerprint=source_fingerprint(dataset, layout.raw_dir),
+        records_read=stats.records,
+        duplicates_dropped=stats.duplicates,
+        train_samples=stats.train,
+        train_available=stats.train_available,
+        heldout_samples=stats.heldout,
+        forms=dict(zip(forms["form"], forms["len"], strict=True)),
+        benchmarks=list(benchmarks),
+        mean_response_chars=round(mean_of(frame["response"].str.len_chars()), 1),
     )
-
+    return dg.MaterializeResult(metadata={
+        **record.to_metadata(),
+        **table_display(frame, ["sample_id", "split", "prompt", "source_file", "source_line"]),
+    })

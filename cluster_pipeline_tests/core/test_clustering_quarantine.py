@@ -3,10 +3,9 @@
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.core.clustering import balanced_kmeans
+from cluster_pipeline.core.clustering import balanced_kmeans, read_clusterable
 from cluster_pipeline.core.embedding import l2_normalise
 from cluster_pipeline.core.tables import vectors_to_series, write_table
-from cluster_pipeline.defs.assets.balanced_clusters import clusterable
 
 
 def test_nan_and_inf_rows_are_quarantined(tmp_path):
@@ -22,8 +21,8 @@ def test_nan_and_inf_rows_are_quarantined(tmp_path):
     dirty = write_table(pl.DataFrame({"sample_id": dirty_ids, "skip_reason": skip}, schema={"sample_id": pl.String, "skip_reason": pl.String})
                         .with_columns(vectors_to_series("embedding_normalised", dirty_x.astype(np.float32))),
                         tmp_path / "dirty")
-    rows_c, xc, q_c = clusterable(clean)
-    rows_d, xd, q_d = clusterable(dirty)
+    rows_c, xc, q_c = read_clusterable(clean)
+    rows_d, xd, q_d = read_clusterable(dirty)
     assert q_c.height == 0 and q_d["sample_id"].to_list() == ["bad_nan", "bad_inf"]
     assert rows_d["sample_id"].to_list() == rows_c["sample_id"].to_list() == ids
     a, b = balanced_kmeans(xc, 2, seed=1), balanced_kmeans(xd, 2, seed=1)

@@ -1,8 +1,8 @@
-"""Register dataset partitions without the Dagster daemon.
+"""List or register dataset partitions without the Dagster daemon.
 
-    python -m cluster_pipeline.datasets                      # list datasets and their state
-    python -m cluster_pipeline.datasets sync                 # add a partition per dataset found
-    python -m cluster_pipeline.datasets sync --require NAME  # ... and fail unless NAME exists
+    cluster-pipeline datasets                      # list datasets and their state
+    cluster-pipeline datasets sync                 # add a partition per dataset found
+    cluster-pipeline datasets sync --require NAME  # ... and fail unless NAME exists
 
 The ``dataset_folders_sensor`` does the same while ``dagster dev`` runs. Partitions live in the
 Dagster instance at ``$DAGSTER_HOME``; unset, that is ``<project>/.dagster_home`` as in the
@@ -14,23 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from cluster_pipeline.core.datasets import discover_datasets
-from cluster_pipeline.defs.partitions import dataset_partitions
-from cluster_pipeline.defs.resources import PROJECT_ROOT, default_data_dir
+from cluster_pipeline.core.layout import PROJECT_ROOT, DataLayout, default_data_dir
+from cluster_pipeline.defs.partitions import DATASETS
 
 
-def main(argv: list[str] | None = None) -> None:
-    import dagster as dg
-
-    parser = argparse.ArgumentParser(description="List or register dataset partitions.")
-    parser.add_argument("command", nargs="?", choices=["list", "sync"], default="list")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["list", "sync"], default="list")
     parser.add_argument("--data-dir", default=default_data_dir())
     parser.add_argument("--require", metavar="NAME", help="exit with an error unless dataset "
                         "NAME is found (built in, or a folder data/raw/NAME/ with data files)")
-    args = parser.parse_args(argv)
-    raw_dir = Path(args.data_dir) / "raw"
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import dagster as dg
+
+    raw_dir = DataLayout.at(args.data_dir).raw_dir
     found = discover_datasets(raw_dir)
     if args.require and args.require not in found:
         sys.exit(
@@ -43,18 +43,14 @@ def main(argv: list[str] | None = None) -> None:
         (home / "dagster.yaml").touch()
         os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
-        known = set(instance.get_dynamic_partitions(dataset_partitions.name))
+        known = set(instance.get_dynamic_partitions(DATASETS))
         new = [n for n in found if n not in known]
-        if args.command == "sync":
+        if args.action == "sync":
             if new:
-                instance.add_dynamic_partitions(dataset_partitions.name, new)
+                instance.add_dynamic_partitions(DATASETS, new)
                 print(f"registered new dataset partitions: {', '.join(new)}")
             else:
                 print(f"dataset partitions up to date: {', '.join(found)}")
             return
         for name in found:
             print(f"{name}\t{'not registered (run sync)' if name in new else 'registered'}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,33 @@
+"""``cluster-pipeline``: register dataset partitions, trace samples, and print comparison run
+configs, from a shell.
+
+    cluster-pipeline datasets [list|sync] [--require NAME]
+    cluster-pipeline lineage <dataset> (<sample_id>... | --selected | --diff OLD NEW) [--json]
+    cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
+"""
+
+import argparse
+import signal
+
+from cluster_pipeline.cli import compare, register, trace
+
+COMMANDS = {"datasets": register, "lineage": trace, "compare-config": compare}
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends a listing quietly
+    parser = argparse.ArgumentParser(prog="cluster-pipeline",
+                                     description=(__doc__ or "").splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, module in COMMANDS.items():
+        doc = (module.__doc__ or "").strip()
+        sub = commands.add_parser(name, help=doc.splitlines()[0], description=doc,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    args.run(args, parser)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""What each stage records about a materialization, as one typed dataclass per stage.
+
+A stage returns ``record.to_metadata()`` (plus display-only entries: previews, plots) in its
+``MaterializeResult``; a downstream stage reads the record back with :func:`read_record` (the
+latest materialization of its partition) or :func:`pinned_record` (the materialization that
+wrote one exact table version). Every record of the selection chain carries ``inputs``: the
+Delta table versions, by asset, that it was computed from, transitively. Downstream stages read
+those versions, never "the newest table", so a stage re-run in between cannot mix versions
+(docs/design.md, "Versions and lineage").
+
+Metadata keys are the field names; a :class:`TableRef` field ``x`` is stored as ``x_uri`` (a
+path) and ``x_version``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import dagster as dg
+
+from cluster_pipeline.core.tables import TableRef
+
+
+class UpstreamNotMaterialized(dg.Failure):
+    """An upstream stage has no (usable) materialization for this partition."""
+
+
+def _encode(value: Any, as_path: bool) -> Any:
+    if isinstance(value, TableRef):
+        raise TypeError("TableRef fields are expanded by to_metadata")
+    if isinstance(value, dict) and value and all(isinstance(v, TableRef) for v in value.values()):
+        return dg.MetadataValue.json({k: {"uri": v.uri, "version": v.version}
+                                      for k, v in value.items()})
+    if isinstance(value, (dict, list, tuple)):
+        return dg.MetadataValue.json(value if not isinstance(value, tuple) else list(value))
+    if as_path and value is not None:
+        return dg.MetadataValue.path(str(value))
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageRecord:
+    """Base of the per-stage records. ``ASSET`` names the asset that writes it."""
+
+    ASSET: ClassVar[str]
+    # Fields shown in the UI as paths.
+    PATHS: ClassVar[tuple[str, ...]] = ()
+
+    def to_metadata(self) -> dict[str, Any]:
+        """Dagster metadata entries: field name -> value (TableRef -> ``_uri``/``_version``)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, TableRef):
+                out[f"{f.name}_uri"] = dg.MetadataValue.path(value.uri)
+                out[f"{f.name}_version"] = value.version
+            else:
+                out[f.name] = _encode(value, f.name in self.PATHS)
+        return out
+
+    @classmethod
+    def from_metadata(cls, values: Mapping[str, Any]) -> Self:
+        """The record from metadata values (``{key: MetadataValue.value}``).
+
+        Raises:
+            KeyError: a field without a default is missing (a materialization written by an
+                older version of the stage).
+        """
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if hint is TableRef:
+                kwargs[f.name] = TableRef(str(values[f"{f.name}_uri"]),
+                                          int(values[f"{f.name}_version"]))
+                continue
+            if f.name not in values:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise KeyError(f.name)
+                continue
+            value = values[f.name]
+            if f.name == "inputs":
+                value = {k: TableRef(str(v["uri"]), int(v["version"])) for k, v in value.items()}
+            elif f.name in cls.PATHS and value is not None:
+                value = str(value)
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainRecord(StageRecord):
+    """A stage that writes one Delta table, computed from pinned upstream table versions."""
+
+    table: TableRef
+    seconds: float
+    inputs: dict[str, TableRef] = field(default_factory=dict)
+
+    def lineage(self) -> dict[str, TableRef]:
+        """``inputs`` plus this stage's own table: what a downstream stage records as its
+        inputs."""
+        return {**self.inputs, self.ASSET: self.table}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawInstructionsRecord(ChainRecord):
+    ASSET: ClassVar[str] = "raw_instructions"
+    source_fingerprint: str
+    records_read: int
+    duplicates_dropped: int
+    train_samples: int
+    train_available: int
+    heldout_samples: int
+    forms: dict[str, int]
+    benchmarks: list[str]
+    mean_response_chars: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectionRecord(ChainRecord):
+    """A stage of the selection chain; ``selection_seconds`` is the cost of selection so far
+    (the embedding pass, model load excluded, plus every later selection stage)."""
+
+    selection_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyEmbeddingsRecord(SelectionRecord):
+    ASSET: ClassVar[str] = "proxy_embeddings"
+    PATHS: ClassVar[tuple[str, ...]] = ("base_model",)
+    embedded: int
+    skipped: dict[str, int]
+    hidden_size: int
+    cache_key: str
+    chunks_reused: int
+    embedding_seconds: float
+    tokens_per_second: float
+    world_size: int
+    mean_loss: float
+    base_model: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalancedClustersRecord(SelectionRecord):
+    ASSET: ClassVar[str] = "balanced_clusters"
+    centroids: TableRef
+    num_clusters: int
+    cap: int
+    cluster_sizes: list[int]
+    kmeans_cluster_sizes: list[int]
+    kmeans_cost: float
+    capacity_cost: float
+    capacity_cost_increase_pct: float
+    quarantined_count: int
+    quarantined_non_finite: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeripheralSubsetsRecord(SelectionRecord):
+    ASSET: ClassVar[str] = "peripheral_subsets"
+    selector: str
+    ratio: float
+    seed: int
+    per_cluster: int
+    pool_size: int
+    selected_samples: int
+    data_fraction: float
+    cluster_weights: list[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardManifestsRecord(SelectionRecord):
+    ASSET: ClassVar[str] = "shard_manifests"
+    world_size: int
+    shard_size: int
+    dropped_for_equal_shards: int
+    selector: str
+    manifest_paths: list[str]
+    manifest_sha256: list[str]
+    manifest_set_sha256: str
+    rank_weights: list[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainedCheckpointRecord(StageRecord):
+    ASSET: ClassVar[str] = "trained_checkpoint"
+    PATHS: ClassVar[tuple[str, ...]] = ("checkpoint_path", "base_model")
+    checkpoint_path: str
+    inputs: dict[str, TableRef]
+    base_model: str
+    world_size: int
+    manifest_sha256: list[str]
+    manifest_set_sha256: str
+    reused_checkpoint: bool
+    git_commit: str
+    resumed_from_step: int | None
+    steps: int
+    final_loss: float
+    seconds: float
+    train_seconds: float
+    samples_per_rank: int
+    selection_seconds: float
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalReportRecord(StageRecord):
+    ASSET: ClassVar[str] = "eval_report"
+    PATHS: ClassVar[tuple[str, ...]] = ("report_path", "checkpoint_path")
+    report_path: str
+    checkpoint_path: str
+    models_compared: int
+    train_seconds: float
+    full_training_estimate_seconds: float
+    data_fraction: float
+    base: dict[str, float]
+    tuned: dict[str, float]
+
+    def to_metadata(self) -> dict[str, Any]:
+        # Each metric also as its own numeric entry (``base/heldout_loss``), which the UI plots
+        # across materializations.
+        flat = {f"{label}/{name}": value for label, metrics in (("base", self.base),
+                                                                ("tuned", self.tuned))
+                for name, value in metrics.items()}
+        return {**super().to_metadata(), **flat}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleLineageRecord(ChainRecord):
+    ASSET: ClassVar[str] = "sample_lineage"
+    selected_samples: int
+    samples_in_a_checkpoint: int
+
+
+R = typing.TypeVar("R", bound=StageRecord)
+C = typing.TypeVar("C", bound=ChainRecord)
+
+
+def _materializations(instance: dg.DagsterInstance, asset: str, partition: str,
+                      limit: int) -> list[dg.AssetMaterialization]:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]),
+        limit=limit,
+    ).records
+    return [r.asset_materialization for r in records if r.asset_materialization is not None]
+
+
+def _values(materialization: dg.AssetMaterialization) -> dict[str, Any]:
+    return {k: v.value for k, v in materialization.metadata.items()}
+
+
+def _parse(cls: type[R], materialization: dg.AssetMaterialization,
+                           partition: str) -> R:
+    try:
+        return cls.from_metadata(_values(materialization))
+    except (KeyError, TypeError, ValueError) as e:
+        raise UpstreamNotMaterialized(
+            description=f"the latest {cls.ASSET} materialization of partition {partition!r} "
+            f"lacks {e} (written by an older version of the pipeline); materialize {cls.ASSET} "
+            "again."
+        ) from e
+
+
+def latest_record(instance: dg.DagsterInstance, cls: type[R],
+                                  partition: str) -> R | None:
+    """The record of the latest materialization of ``cls.ASSET`` for ``partition``, or None."""
+    found = _materializations(instance, cls.ASSET, partition, limit=1)
+    return _parse(cls, found[0], partition) if found else None
+
+
+def read_record(context: dg.AssetExecutionContext, cls: type[R]) -> R:
+    """The latest record of ``cls.ASSET`` for this run's partition.
+
+    Raises:
+        UpstreamNotMaterialized: never materialized for the partition, or by an older version.
+    """
+    record = latest_record(context.instance, cls, context.partition_key)
+    if record is None:
+        raise UpstreamNotMaterialized(
+            description=f"{cls.ASSET} has no materialization for partition "
+            f"{context.partition_key!r}; materialize {cls.ASSET} first (or the whole chain)."
+        )
+    return record
+
+
+def pinned_record(context: dg.AssetExecutionContext, cls: type[C],
+                                  table: TableRef, search: int = 1000) -> C:
+    """The record of the ``cls.ASSET`` materialization that wrote ``table`` (one version).
+
+    Raises:
+        UpstreamNotMaterialized: no materialization among the latest ``search`` wrote it.
+    """
+    for m in _materializations(context.instance, cls.ASSET, context.partition_key, search):
+        values = _values(m)
+        if (str(values.get("table_uri")) == table.uri
+                and values.get("table_version") == table.version):
+            return _parse(cls, m, context.partition_key)
+    raise UpstreamNotMaterialized(
+        description=f"no {cls.ASSET} materialization of partition {context.partition_key!r} "
+        f"wrote {table.uri}@v{table.version}; materialize the chain from {cls.ASSET} again."
+    )

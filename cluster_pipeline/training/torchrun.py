@@ -1,0 +1,104 @@
+"""Launching the torchrun entry points and reading back why a launch failed.
+
+:func:`torchrun_command` builds the command line (one machine with ``--standalone``, or a c10d
+rendezvous across machines) around :mod:`cluster_pipeline.training.launch`, a torchrun that dies
+with the process that started it. :func:`rank_failures` reads the per-rank logs torchrun writes
+with ``--log-dir``/``--tee`` and :func:`failure_summary` names the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+LAUNCH_MODULE = "cluster_pipeline.training.launch"
+
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|remote worker crash|Connection reset by peer|Broken pipe|"
+    r"remote process exited|NCCL communicator was aborted"
+)
+
+
+def torchrun_command(
+    module: str,
+    nproc_per_node: int,
+    args: list[str],
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "cluster_pipeline",
+    log_dir: Path | None = None,
+) -> list[str]:
+    """The command running ``python -m module args`` on every rank under torchrun.
+
+    With ``log_dir``, every rank's stdout/stderr is also written (``--tee``) under it, so a
+    failed rank's log can be shown (:func:`rank_failures`).
+
+    Raises:
+        ValueError: ``nproc_per_node`` < 1, or ``nnodes`` > 1 without a rendezvous endpoint.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    launcher = [sys.executable, "-m", LAUNCH_MODULE]
+    if nnodes == 1 and not rdzv_endpoint:
+        launcher += ["--standalone"]
+    else:
+        if not rdzv_endpoint:
+            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        launcher += [
+            f"--nnodes={nnodes}",
+            f"--node_rank={node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rdzv_endpoint}",
+            f"--rdzv_id={rdzv_id}",
+        ]
+    if log_dir is not None:
+        launcher += [f"--log-dir={log_dir}", "--redirects=3", "--tee=3"]
+    return [*launcher, f"--nproc_per_node={nproc_per_node}", "-m", module, *args]
+
+
+def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
+    """Per-rank error summaries of a torchrun launch, the first failure first.
+
+    For each rank that wrote an ``error.json`` (entry points wrapped in ``@record``): its
+    message and traceback, ordered by the time it failed, so the root cause leads and the
+    ranks that merely lost their peer follow. Ranks without one contribute the tail of a stderr
+    that shows a traceback. Keys are ``rank_<local rank>``.
+    """
+    found: list[tuple[tuple[bool, float], str, str]] = []
+    never = float("inf")
+    for rank_dir in sorted(p for p in log_dir.glob("*/attempt_*/*") if p.is_dir()):
+        error, stderr = rank_dir / "error.json", rank_dir / "stderr.log"
+        if error.exists():
+            try:
+                body = json.loads(error.read_text())["message"]
+                info = body.get("extraInfo", {})
+                text = f"{body.get('message', '')}\n{info.get('py_callstack', '')}"
+            except (ValueError, KeyError, TypeError, AttributeError):
+                text = error.read_text()
+            # A rank that only lost its peer is a consequence, not the cause; among the rest,
+            # the file's mtime orders (error.json's timestamp has 1 s resolution).
+            when = (_PEER_LOST.search(text) is not None, float(error.stat().st_mtime_ns))
+            found.append((when, f"rank_{rank_dir.name}", text[-tail_chars:]))
+        elif stderr.exists():
+            text = stderr.read_text(errors="replace")
+            if "Traceback" in text:
+                found.append(((True, never), f"rank_{rank_dir.name}", text[-tail_chars:]))
+    return {name: text for _, name, text in sorted(found)}
+
+
+def failure_summary(failures: dict[str, str]) -> str | None:
+    """``rank_1 failed first: <first line of its error> (then rank_0)``, or None without
+    failures."""
+    if not failures:
+        return None
+    rank, text = next(iter(failures.items()))
+    lines = text.strip().splitlines()
+    cause = f"{rank} failed first: {lines[0] if lines else '(no message)'}"
+    others = [r for r in failures if r != rank]
+    if others:
+        cause += f" (then {', '.join(others)})"
+    return cause

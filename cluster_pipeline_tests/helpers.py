@@ -1,0 +1,212 @@
+"""Test helpers, imported by the test modules and by conftest.py's fixtures: a tiny tokenizer
+and causal LM built offline, tiny datasets, and the asset-level plumbing (resources, run
+config, reading back what a stage recorded)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from typing import Any
+
+import dagster as dg
+import polars as pl
+import torch
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+
+_WORDS = (
+    "add subtract multiply reverse sort list string number python function return value "
+    "sum product word letters apple banana cherry dog cat bird tree river mountain code data "
+    "write explain describe translate compute the a of and to in is for with"
+).split()
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(_WORDS) for _ in range(12)) for _ in range(300)]
+    lines += ["0123456789 +-*/=()[]{}:;,.!?'\"\n def return if else for while"] * 5
+    return lines
+
+
+def build_tokenizer(chat_template: str | None = CHATML, pad: str | None = "<pad>") -> Any:
+    """A byte-level BPE tokenizer (vocab ~400) trained on a fixed corpus; no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>" if chat_template else "<|endoftext|>",
+        bos_token="<|endoftext|>" if not chat_template else None,
+        pad_token=pad,
+    )
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def build_model(vocab_size: int, seed: int = 0, pad_token_id: int | None = None):
+    """A 2-layer Llama with hidden size 32, random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, pad_token_id=pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def tiny_records(n: int = 60) -> list[dict]:
+    """n Alpaca-form records on two topics (arithmetic, word reversal), all distinct."""
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            out.append({"instruction": f"Add {a} and {b}.", "input": "", "output": f"The sum is {a + b}."})
+        else:
+            word = rng.choice(_WORDS) + rng.choice(_WORDS)
+            out.append({"instruction": "Reverse the letters of the word.", "input": f"{word} {i}",
+                        "output": f"{word[::-1]} {i}"})
+    return out
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def instructions_table(path: Path, records: list[dict], heldout_fraction: float = 0.0):
+    """A raw_instructions Delta table at ``path`` built from Alpaca records."""
+    from cluster_pipeline.core.datasets import build_instruction_table
+    from cluster_pipeline.core.formats import normalise_record
+    from cluster_pipeline.core.tables import write_table
+
+    samples = [normalise_record(r, "mem.jsonl", i + 1) for i, r in enumerate(records)]
+    frame, _ = build_instruction_table(samples, heldout_fraction, None, None, seed=0)
+    return write_table(frame, path)
+
+
+def torchrun(module: str, nproc: int, args: list[str], **kwargs):
+    """Launch ``module`` under torchrun --standalone and wait; returns CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", module, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+# --- Assets -----------------------------------------------------------------------------------
+
+def pipeline_assets() -> list[dg.AssetsDefinition]:
+    """The seven stage assets, in pipeline order."""
+    from cluster_pipeline.defs.assets.balanced_clusters import balanced_clusters
+    from cluster_pipeline.defs.assets.eval_report import eval_report
+    from cluster_pipeline.defs.assets.peripheral_subsets import peripheral_subsets
+    from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+    from cluster_pipeline.defs.assets.shard_manifests import shard_manifests
+    from cluster_pipeline.defs.assets.trained_checkpoint import trained_checkpoint
+
+    return [raw_instructions, proxy_embeddings, balanced_clusters, peripheral_subsets,
+            shard_manifests, trained_checkpoint, eval_report]
+
+
+# Small sizes for the tiny model and the 60-sample dataset.
+RUN_CONFIG = {
+    "ops": {
+        "raw_instructions": {"config": {"heldout_fraction": 0.1}},
+        "proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16}},
+        "balanced_clusters": {"config": {"num_clusters": 2, "alpha": 1.3}},
+        "peripheral_subsets": {"config": {"ratio": 0.5}},
+        "trained_checkpoint": {"config": {"max_length": 64, "per_device_batch_size": 2,
+                                          "learning_rate": 1e-3}},
+        "eval_report": {"config": {"max_length": 64, "benchmarks": ["humaneval"],
+                                   "humaneval_problems": 2, "max_new_tokens": 8}},
+    }
+}
+
+
+def run_config_for(assets: list[dg.AssetsDefinition], **overrides: dict) -> dict:
+    """:data:`RUN_CONFIG` restricted to ``assets`` (Dagster refuses config for assets not in
+    the run), with per-asset config ``overrides`` merged in."""
+    names = {a.key.to_user_string() for a in assets}
+    ops = {k: {"config": {**v["config"], **overrides.get(k, {})}}
+           for k, v in RUN_CONFIG["ops"].items() if k in names}
+    return {"ops": ops}
+
+
+def resources(data_dir: Path, model_dir: Path) -> dict:
+    from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+
+    return {
+        "storage": StorageResource(data_dir=str(data_dir)),
+        "base_model": BaseModelResource(model=str(model_dir)),
+        "torchrun": TorchrunResource(),
+        "pipes_subprocess_client": dg.PipesSubprocessClient(),
+    }
+
+
+def meta(instance, asset: str, partition: str = "tiny") -> dict:
+    """Metadata values of the latest materialization of ``asset``."""
+    rec = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
+    ).records[0]
+    return {k: v.value for k, v in rec.asset_materialization.metadata.items()}
+
+
+def step_failure(result: dg.ExecuteInProcessResult) -> tuple[str, dict]:
+    """(description, metadata values) of the first step failure of a failed run."""
+    event = next(e for e in result.all_events if e.is_step_failure)
+    data = event.step_failure_data.user_failure_data
+    assert data is not None and data.description is not None, "a dagster.Failure was raised"
+    return data.description, {k: v.value for k, v in data.metadata.items()}
+
+
+def read(instance, asset: str) -> pl.DataFrame:
+    """The table version the latest materialization of ``asset`` recorded."""
+    m = meta(instance, asset)
+    return pl.read_delta(str(m["table_uri"]), version=int(m["table_version"]))
+
+
+# --- Training entry point ---------------------------------------------------------------------
+
+def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: int, **settings):
+    """A 40-sample instructions table, one shard manifest per weight (``per_rank`` samples
+    each, disjoint), and a TrainJob written to ``tmp_path/train.json``.
+
+    Returns (job, the instructions TableRef).
+    """
+    from cluster_pipeline.core.sharding import ShardManifest
+    from cluster_pipeline.training.config import TrainJob, TrainSettings
+
+    table = instructions_table(tmp_path / "raw", tiny_records(40))
+    ids = pl.read_delta(table.uri)["sample_id"].to_list()
+    manifests = []
+    for r, w in enumerate(weights):
+        m = ShardManifest("t", r, len(weights), "peripheral", w, 0,
+                          tuple(ids[r * per_rank : (r + 1) * per_rank]))
+        manifests.append(str(m.write(tmp_path / "shards")))
+    job = TrainJob(settings=TrainSettings(max_length=64, **settings), model_path=str(model_dir),
+                   instructions_uri=table.uri, instructions_version=table.version,
+                   manifests=manifests, output_dir=str(tmp_path / "ckpt"))
+    job.dump(tmp_path / "train.json")
+    return job, table
