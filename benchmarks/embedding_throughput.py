@@ -28,8 +28,10 @@ def _batches(tokenizer, n: int, max_length: int, batch_size: int, batch_tokens: 
     from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
     from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
 
-    encoded = [encode_sample(tokenizer, s.system, s.prompt, s.response, max_length)
-               for s in islice(iter_stdlib_samples(), n)]
+    encoded = [
+        encode_sample(tokenizer, s.system, s.prompt, s.response, max_length)
+        for s in islice(iter_stdlib_samples(), n)
+    ]
     encoded = [e for e in encoded if e.skip_reason is None]
     groups = length_batches([len(e) for e in encoded], batch_size, batch_tokens)
     return [collate([encoded[i] for i in g], tokenizer.pad_token_id) for g in groups]
@@ -54,9 +56,16 @@ def run_mode(args) -> dict:
         if args.mode == "embed":
             embed_batch(model, batch, autocast_dtype=autocast)
         else:
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      position_ids=batch["position_ids"], use_cache=False)
+            with (
+                torch.inference_mode(),
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16),
+            ):
+                model(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"],
+                    use_cache=False,
+                )
 
     step(batches[0])  # warm-up
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
@@ -95,12 +104,19 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     f, e = results["forward"], results["embed"]
-    print(f"samples={args.samples} max_length={args.max_length} tokens={f['tokens']} "
-          f"batches={f['batches']} bf16={args.bf16}")
+    print(
+        f"samples={args.samples} max_length={args.max_length} tokens={f['tokens']} "
+        f"batches={f['batches']} bf16={args.bf16}"
+    )
     for r in (f, e):
-        print(f"{r['mode']:>8}: {r['tokens_per_s']:8.1f} tokens/s  ({r['seconds']:.2f} s)  "
-              f"peak RSS {r['peak_rss_mib']:.0f} MiB")
-    print(f"ratio embed/forward tokens/s = {e['tokens_per_s'] / f['tokens_per_s']:.3f} (target >= 0.9)")
+        print(
+            f"{r['mode']:>8}: {r['tokens_per_s']:8.1f} tokens/s  ({r['seconds']:.2f} s)  "
+            f"peak RSS {r['peak_rss_mib']:.0f} MiB"
+        )
+    print(
+        f"ratio embed/forward tokens/s = {e['tokens_per_s'] / f['tokens_per_s']:.3f} "
+        "(target >= 0.9)"
+    )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ def run(n: int, d: int, k: int, seed: int) -> dict:
     t3 = time.perf_counter()
     peak = rss_mib()
     return {
-        "n": n, "d": d, "k": k,
+        "n": n,
+        "d": d,
+        "k": k,
         "matrix_mib": round(matrix_mib, 1),
         "clustering_s": round(t1 - t0, 2),
         "selection_s": round(t2 - t1, 3),
@@ -94,18 +96,35 @@ def main() -> None:
     if len(args.n) != len(args.d):
         p.error("--n and --d need the same number of values")
     targets = {75_000: 10.0, 1_000_000: 180.0}
-    for n, d in zip(args.n, args.d):
-        cmd = [sys.executable, __file__, "--child", "--n", str(n), "--d", str(d),
-               "--k", str(args.k), "--seed", str(args.seed)]
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    for n, d in zip(args.n, args.d, strict=True):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--n",
+            str(n),
+            "--d",
+            str(d),
+            "--k",
+            str(args.k),
+            "--seed",
+            str(args.seed),
+        ]
+        r = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+        )
         target = targets.get(n)
-        print(f"N={n:>9,} d={d:>5} K={args.k}: clustering {r['clustering_s']} s, selection "
-              f"{r['selection_s']} s, manifests {r['manifests_s']} s, total {r['total_s']} s"
-              + (f" (target <= {target:.0f} s, ratio {r['total_s'] / target:.2f})" if target else ""))
-        print(f"    matrix {r['matrix_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB = "
-              f"interpreter {r['interpreter_rss_mib']} MiB + {r['peak_over_matrix']}x the matrix "
-              f"(target <= 2x); capacity step raised the "
-              f"k-means cost by {r['capacity_cost_increase_pct']}%; sizes {r['sizes']}")
+        print(
+            f"N={n:>9,} d={d:>5} K={args.k}: clustering {r['clustering_s']} s, selection "
+            f"{r['selection_s']} s, manifests {r['manifests_s']} s, total {r['total_s']} s"
+            + (f" (target <= {target:.0f} s, ratio {r['total_s'] / target:.2f})" if target else "")
+        )
+        print(
+            f"    matrix {r['matrix_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB = "
+            f"interpreter {r['interpreter_rss_mib']} MiB + {r['peak_over_matrix']}x the matrix "
+            f"(target <= 2x); capacity step raised the "
+            f"k-means cost by {r['capacity_cost_increase_pct']}%; sizes {r['sizes']}"
+        )
 
 
 if __name__ == "__main__":

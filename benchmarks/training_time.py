@@ -28,7 +28,6 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
 
-
     from cluster_pipeline.core.clustering import balanced_kmeans
     from cluster_pipeline.core.datasets import build_instruction_table
     from cluster_pipeline.core.embedding import l2_normalise
@@ -51,8 +50,12 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(model_path)
-    emb = embed_frame(model, tokenizer, frame.select("sample_id", "system", "prompt", "response"),
-                      EmbedSettings(max_length=args.max_length))
+    emb = embed_frame(
+        model,
+        tokenizer,
+        frame.select("sample_id", "system", "prompt", "response"),
+        EmbedSettings(max_length=args.max_length),
+    )
     del model
     emb = emb.filter(emb["skip_reason"].is_null())
     x = l2_normalise(series_to_matrix(emb["embedding"]))
@@ -66,30 +69,59 @@ def main() -> None:
         alloc = allocate("bench", ids, clusters.labels, sel, 2, seed=0)
         paths = [str(m.write(work / selector)) for m in alloc.manifests]
         out = work / f"ckpt_{selector}"
-        settings = TrainSettings(max_length=args.max_length,
-                                 per_device_batch_size=args.batch_size, learning_rate=5e-5)
-        TrainJob(settings=settings, model_path=model_path, instructions_uri=table.uri,
-                 instructions_version=table.version, manifests=paths,
-                 output_dir=str(out)).dump(work / f"{selector}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "cluster_pipeline.training.train", "--config", str(work / f"{selector}.json")]
+        settings = TrainSettings(
+            max_length=args.max_length, per_device_batch_size=args.batch_size, learning_rate=5e-5
+        )
+        TrainJob(
+            settings=settings,
+            model_path=model_path,
+            instructions_uri=table.uri,
+            instructions_version=table.version,
+            manifests=paths,
+            output_dir=str(out),
+        ).dump(work / f"{selector}.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "cluster_pipeline.training.train",
+            "--config",
+            str(work / f"{selector}.json"),
+        ]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True)
         wall = time.perf_counter() - start
         info = json.loads((out / "training_info.json").read_text())
-        results[selector] = {"samples": 2 * alloc.shard_size, "fraction": 2 * alloc.shard_size / len(ids),
-                             "wall_s": wall, "train_s": info["train_seconds"], "steps": info["steps"]}
+        results[selector] = {
+            "samples": 2 * alloc.shard_size,
+            "fraction": 2 * alloc.shard_size / len(ids),
+            "wall_s": wall,
+            "train_s": info["train_seconds"],
+            "steps": info["steps"],
+        }
 
     f, c = results["full"], results["peripheral"]
-    print(f"pool N={len(ids)} (python_stdlib), max_length={args.max_length}, K=2 ranks, "
-          f"batch {args.batch_size}/rank, 1 epoch; embedding + clustering {embed_s:.1f} s")
+    print(
+        f"pool N={len(ids)} (python_stdlib), max_length={args.max_length}, K=2 ranks, "
+        f"batch {args.batch_size}/rank, 1 epoch; embedding + clustering {embed_s:.1f} s"
+    )
     for name, r in results.items():
-        print(f"{name:>10}: {r['samples']:4d} samples ({100 * r['fraction']:.1f}%), {r['steps']} steps, "
-              f"wall {r['wall_s']:.1f} s, training loop {r['train_s']:.1f} s")
-    print(f"ratio CluSTER/full: wall {c['wall_s'] / f['wall_s']:.3f}, training loop "
-          f"{c['train_s'] / f['train_s']:.3f} (target <= 0.45 at {100 * c['fraction']:.0f}% data)")
-    print(f"selection + CluSTER training vs full training: "
-          f"{(embed_s + c['wall_s']) / f['wall_s']:.3f}")
+        print(
+            f"{name:>10}: {r['samples']:4d} samples ({100 * r['fraction']:.1f}%), "
+            f"{r['steps']} steps, "
+            f"wall {r['wall_s']:.1f} s, training loop {r['train_s']:.1f} s"
+        )
+    print(
+        f"ratio CluSTER/full: wall {c['wall_s'] / f['wall_s']:.3f}, training loop "
+        f"{c['train_s'] / f['train_s']:.3f} (target <= 0.45 at {100 * c['fraction']:.0f}% data)"
+    )
+    print(
+        f"selection + CluSTER training vs full training: "
+        f"{(embed_s + c['wall_s']) / f['wall_s']:.3f}"
+    )
 
 
 if __name__ == "__main__":

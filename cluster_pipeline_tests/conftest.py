@@ -35,5 +35,3 @@ def tiny_data_dir(tmp_path) -> Path:
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     return data
-
-

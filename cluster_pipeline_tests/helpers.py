@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-
 from typing import Any
 
 import dagster as dg
@@ -46,12 +45,14 @@ def build_tokenizer(chat_template: str | None = CHATML, pad: str | None = "<pad>
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS,
+        vocab_size=400,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>" if chat_template else "<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>" if chat_template else "<|endoftext|>",
         bos_token="<|endoftext|>" if not chat_template else None,
         pad_token=pad,
     )
@@ -66,9 +67,15 @@ def build_model(vocab_size: int, seed: int = 0, pad_token_id: int | None = None)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, pad_token_id=pad_token_id,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
     )
     model = LlamaForCausalLM(config)
     model.eval()
@@ -82,11 +89,18 @@ def tiny_records(n: int = 60) -> list[dict]:
     for i in range(n):
         if i % 2 == 0:
             a, b = rng.randint(0, 99), rng.randint(0, 99)
-            out.append({"instruction": f"Add {a} and {b}.", "input": "", "output": f"The sum is {a + b}."})
+            out.append(
+                {"instruction": f"Add {a} and {b}.", "input": "", "output": f"The sum is {a + b}."}
+            )
         else:
             word = rng.choice(_WORDS) + rng.choice(_WORDS)
-            out.append({"instruction": "Reverse the letters of the word.", "input": f"{word} {i}",
-                        "output": f"{word[::-1]} {i}"})
+            out.append(
+                {
+                    "instruction": "Reverse the letters of the word.",
+                    "input": f"{word} {i}",
+                    "output": f"{word[::-1]} {i}",
+                }
+            )
     return out
 
 
@@ -109,12 +123,21 @@ def instructions_table(path: Path, records: list[dict], heldout_fraction: float 
 
 def torchrun(module: str, nproc: int, args: list[str], **kwargs):
     """Launch ``module`` under torchrun --standalone and wait; returns CompletedProcess."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", module, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
 
 
 # --- Assets -----------------------------------------------------------------------------------
+
 
 def pipeline_assets() -> list[dg.AssetsDefinition]:
     """The seven stage assets, in pipeline order."""
@@ -126,8 +149,15 @@ def pipeline_assets() -> list[dg.AssetsDefinition]:
     from cluster_pipeline.defs.assets.shard_manifests import shard_manifests
     from cluster_pipeline.defs.assets.trained_checkpoint import trained_checkpoint
 
-    return [raw_instructions, proxy_embeddings, balanced_clusters, peripheral_subsets,
-            shard_manifests, trained_checkpoint, eval_report]
+    return [
+        raw_instructions,
+        proxy_embeddings,
+        balanced_clusters,
+        peripheral_subsets,
+        shard_manifests,
+        trained_checkpoint,
+        eval_report,
+    ]
 
 
 # Small sizes for the tiny model and the 60-sample dataset.
@@ -137,10 +167,17 @@ RUN_CONFIG = {
         "proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16}},
         "balanced_clusters": {"config": {"num_clusters": 2, "alpha": 1.3}},
         "peripheral_subsets": {"config": {"ratio": 0.5}},
-        "trained_checkpoint": {"config": {"max_length": 64, "per_device_batch_size": 2,
-                                          "learning_rate": 1e-3}},
-        "eval_report": {"config": {"max_length": 64, "benchmarks": ["humaneval"],
-                                   "humaneval_problems": 2, "max_new_tokens": 8}},
+        "trained_checkpoint": {
+            "config": {"max_length": 64, "per_device_batch_size": 2, "learning_rate": 1e-3}
+        },
+        "eval_report": {
+            "config": {
+                "max_length": 64,
+                "benchmarks": ["humaneval"],
+                "humaneval_problems": 2,
+                "max_new_tokens": 8,
+            }
+        },
     }
 }
 
@@ -149,8 +186,11 @@ def run_config_for(assets: list[dg.AssetsDefinition], **overrides: dict) -> dict
     """:data:`RUN_CONFIG` restricted to ``assets`` (Dagster refuses config for assets not in
     the run), with per-asset config ``overrides`` merged in."""
     names = {a.key.to_user_string() for a in assets}
-    ops = {k: {"config": {**v["config"], **overrides.get(k, {})}}
-           for k, v in RUN_CONFIG["ops"].items() if k in names}
+    ops = {
+        k: {"config": {**v["config"], **overrides.get(k, {})}}
+        for k, v in RUN_CONFIG["ops"].items()
+        if k in names
+    }
     return {"ops": ops}
 
 
@@ -189,6 +229,7 @@ def read(instance, asset: str) -> pl.DataFrame:
 
 # --- Training entry point ---------------------------------------------------------------------
 
+
 def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: int, **settings):
     """A 40-sample instructions table, one shard manifest per weight (``per_rank`` samples
     each, disjoint), and a TrainJob written to ``tmp_path/train.json``.
@@ -202,11 +243,17 @@ def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: i
     ids = pl.read_delta(table.uri)["sample_id"].to_list()
     manifests = []
     for r, w in enumerate(weights):
-        m = ShardManifest("t", r, len(weights), "peripheral", w, 0,
-                          tuple(ids[r * per_rank : (r + 1) * per_rank]))
+        m = ShardManifest(
+            "t", r, len(weights), "peripheral", w, 0, tuple(ids[r * per_rank : (r + 1) * per_rank])
+        )
         manifests.append(str(m.write(tmp_path / "shards")))
-    job = TrainJob(settings=TrainSettings(max_length=64, **settings), model_path=str(model_dir),
-                   instructions_uri=table.uri, instructions_version=table.version,
-                   manifests=manifests, output_dir=str(tmp_path / "ckpt"))
+    job = TrainJob(
+        settings=TrainSettings(max_length=64, **settings),
+        model_path=str(model_dir),
+        instructions_uri=table.uri,
+        instructions_version=table.version,
+        manifests=manifests,
+        output_dir=str(tmp_path / "ckpt"),
+    )
     job.dump(tmp_path / "train.json")
     return job, table

@@ -25,11 +25,14 @@ def compare_config(selector: str, seed: int, assets: set[str]) -> dict:
     from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
 
     ops = {k: dict(v) for k, v in CPU_QUICK_CONFIG["ops"].items()}
-    ops["peripheral_subsets"] = {"config": {**ops["peripheral_subsets"]["config"],
-                                            "selector": selector, "seed": seed}}
+    ops["peripheral_subsets"] = {
+        "config": {**ops["peripheral_subsets"]["config"], "selector": selector, "seed": seed}
+    }
     ops["trained_checkpoint"] = {"config": {**ops["trained_checkpoint"]["config"], "seed": seed}}
-    return {"ops": {k: v for k, v in ops.items() if k in assets},
-            "loggers": CPU_QUICK_CONFIG.get("loggers", {})}
+    return {
+        "ops": {k: v for k, v in ops.items() if k in assets},
+        "loggers": CPU_QUICK_CONFIG.get("loggers", {}),
+    }
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -16,13 +16,18 @@ COMMANDS = {"datasets": register, "lineage": trace, "compare-config": compare}
 
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends a listing quietly
-    parser = argparse.ArgumentParser(prog="cluster-pipeline",
-                                     description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="cluster-pipeline", description=(__doc__ or "").splitlines()[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, module in COMMANDS.items():
         doc = (module.__doc__ or "").strip()
-        sub = commands.add_parser(name, help=doc.splitlines()[0], description=doc,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            name,
+            help=doc.splitlines()[0],
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     args = parser.parse_args(argv)

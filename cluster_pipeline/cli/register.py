@@ -23,8 +23,12 @@ from cluster_pipeline.defs.partitions import DATASETS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=["list", "sync"], default="list")
     parser.add_argument("--data-dir", default=default_data_dir())
-    parser.add_argument("--require", metavar="NAME", help="exit with an error unless dataset "
-                        "NAME is found (built in, or a folder data/raw/NAME/ with data files)")
+    parser.add_argument(
+        "--require",
+        metavar="NAME",
+        help="exit with an error unless dataset "
+        "NAME is found (built in, or a folder data/raw/NAME/ with data files)",
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -27,8 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset")
     parser.add_argument("sample_ids", nargs="*", metavar="sample_id")
     parser.add_argument("--selected", action="store_true", help="every selected sample")
-    parser.add_argument("--diff", nargs=2, type=int, metavar=("OLD", "NEW"),
-                        help="compare two versions of the peripheral_subsets table")
+    parser.add_argument(
+        "--diff",
+        nargs=2,
+        type=int,
+        metavar=("OLD", "NEW"),
+        help="compare two versions of the peripheral_subsets table",
+    )
     parser.add_argument("--data-dir", type=Path, default=Path(default_data_dir()))
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
 
@@ -43,9 +48,12 @@ def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -
         if not 0 <= v <= latest:
             sys.exit(f"peripheral_subsets of {dataset!r} has versions 0..{latest}, not {v}")
     diff = subset_diff(pl.read_delta(uri, version=old), pl.read_delta(uri, version=new))
-    print(json.dumps({"dataset": dataset, "old": old, "new": new, **diff}) if as_json else
-          f"v{old} -> v{new}: {len(diff['entered'])} entered, {len(diff['left'])} left\n"
-          f"entered: {' '.join(diff['entered'])}\nleft: {' '.join(diff['left'])}")
+    print(
+        json.dumps({"dataset": dataset, "old": old, "new": new, **diff})
+        if as_json
+        else f"v{old} -> v{new}: {len(diff['entered'])} entered, {len(diff['left'])} left\n"
+        f"entered: {' '.join(diff['entered'])}\nleft: {' '.join(diff['left'])}"
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -58,9 +66,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("give sample_id(s), --selected or --diff OLD NEW")
     tables = latest_tables(layout, args.dataset)
     if tables.get("raw_instructions") is None:
-        sys.exit(f"dataset {args.dataset!r} has no tables under {layout.root / 'tables'}: it "
-                 "does not exist or was never materialized. Datasets with tables: "
-                 f"{', '.join(layout.datasets_with_tables()) or 'none'}")
+        sys.exit(
+            f"dataset {args.dataset!r} has no tables under {layout.root / 'tables'}: it "
+            "does not exist or was never materialized. Datasets with tables: "
+            f"{', '.join(layout.datasets_with_tables()) or 'none'}"
+        )
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(args.dataset)))
     frame = build_lineage({s: t[1] if t else None for s, t in tables.items()}, checkpoints)
     if args.selected:

@@ -1,4 +1,5 @@
-"""Balanced clustering (docs/design.md, step 2): k-means, then an optimal capacity-constrained assignment.
+"""Balanced clustering (docs/design.md, step 2): k-means, then an optimal capacity-constrained
+assignment.
 
 K-means (faiss) runs on the L2-normalised proxy embeddings. The capacity step then assigns every
 sample to one of the K centroids so that no cluster holds more than ``cap = ceil(alpha * N / K)``
@@ -199,8 +200,9 @@ def read_clusterable(embeddings: TableRef) -> tuple[pl.DataFrame, np.ndarray, pl
     return rows.filter(keep), matrix[finite], rows.filter(~keep)
 
 
-def check_capacity(sample_ids: pl.Series, labels: np.ndarray, k: int, n: int,
-                   cap: int) -> tuple[bool, str]:
+def check_capacity(
+    sample_ids: pl.Series, labels: np.ndarray, k: int, n: int, cap: int
+) -> tuple[bool, str]:
     """Independent check of a capacity-constrained assignment: every one of the ``n`` samples
     in exactly one cluster (ids unique, sizes sum to n) and no cluster above ``cap``.
 
@@ -208,5 +210,7 @@ def check_capacity(sample_ids: pl.Series, labels: np.ndarray, k: int, n: int,
     sizes = np.bincount(labels, minlength=k)
     unique = sample_ids.n_unique() == len(sample_ids)
     passed = unique and int(sizes.sum()) == n and int(sizes.max()) <= cap
-    return bool(passed), (f"sizes {sizes.tolist()} (sum {int(sizes.sum())}, N {n}), cap {cap}, "
-                          f"sample ids unique: {unique}")
+    return bool(passed), (
+        f"sizes {sizes.tolist()} (sum {int(sizes.sum())}, N {n}), cap {cap}, "
+        f"sample ids unique: {unique}"
+    )

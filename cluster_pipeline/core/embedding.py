@@ -50,7 +50,9 @@ def decoder_and_head(model):
     return decoder, head
 
 
-def gold_log_probs(hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int) -> torch.Tensor:
+def gold_log_probs(
+    hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int
+) -> torch.Tensor:
     """log softmax(head(hidden))[targets] for (M, d) hidden rows and (M,) targets, in chunks of
     ``chunk_rows`` rows; returns (M,) float32. Peak extra memory is chunk_rows x V floats."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)

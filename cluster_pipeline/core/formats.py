@@ -22,9 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
 # A dataset folder's own settings (its evaluation benchmarks), never read as samples.
@@ -139,7 +139,9 @@ def normalise_record(record: object, source_file: str, source_line: int) -> Samp
             f"{where}: expected a JSON object per sample, got {type(record).__name__}."
         )
     if "messages" in record:
-        system, prompt, response = _from_turns(record["messages"], "role", "content", "openai", where)
+        system, prompt, response = _from_turns(
+            record["messages"], "role", "content", "openai", where
+        )
         form = "openai"
     elif "conversations" in record:
         system, prompt, response = _from_turns(
@@ -216,7 +218,9 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetFormatError(f"{path}: not UTF-8 text ({e}); re-encode the file as UTF-8.") from e
+        raise DatasetFormatError(
+            f"{path}: not UTF-8 text ({e}); re-encode the file as UTF-8."
+        ) from e
     if suffix == ".jsonl":
         for lineno, raw in enumerate(text.splitlines(), start=1):
             if not raw.strip():
@@ -247,9 +251,9 @@ def data_files(folder: Path) -> list[Path]:
     """The dataset's sample files under ``folder``, sorted: every .json/.jsonl/.parquet file
     except the folder's own ``eval.json`` settings file."""
     return sorted(
-        p for p in folder.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
-        and p != folder / EVAL_CONFIG_NAME
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and p != folder / EVAL_CONFIG_NAME
     )
 
 

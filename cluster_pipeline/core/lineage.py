@@ -15,13 +15,32 @@ from deltalake.exceptions import TableNotFoundError
 from cluster_pipeline.core.layout import DataLayout
 
 # The stages whose tables the lineage joins, in pipeline order.
-LINEAGE_STAGES = ("raw_instructions", "proxy_embeddings", "balanced_clusters",
-                  "peripheral_subsets", "shard_manifests")
+LINEAGE_STAGES = (
+    "raw_instructions",
+    "proxy_embeddings",
+    "balanced_clusters",
+    "peripheral_subsets",
+    "shard_manifests",
+)
 
 LINEAGE_COLUMNS = [
-    "sample_id", "split", "source_file", "source_line", "n_response_tokens", "mean_loss",
-    "skip_reason", "cluster", "sq_distance", "selection_rank", "selected", "copies", "weight",
-    "rank", "shard_positions", "manifest_sha256", "checkpoints",
+    "sample_id",
+    "split",
+    "source_file",
+    "source_line",
+    "n_response_tokens",
+    "mean_loss",
+    "skip_reason",
+    "cluster",
+    "sq_distance",
+    "selection_rank",
+    "selected",
+    "copies",
+    "weight",
+    "rank",
+    "shard_positions",
+    "manifest_sha256",
+    "checkpoints",
 ]
 
 
@@ -43,14 +62,21 @@ def build_lineage(
     embeddings, clusters, subsets, shards = (tables.get(s) for s in LINEAGE_STAGES[1:])
     frame = raw.select("sample_id", "split", "source_file", "source_line")
     if embeddings is not None:
-        frame = frame.join(embeddings.select("sample_id", "n_response_tokens", "mean_loss", "skip_reason"),
-                           on="sample_id", how="left")
+        frame = frame.join(
+            embeddings.select("sample_id", "n_response_tokens", "mean_loss", "skip_reason"),
+            on="sample_id",
+            how="left",
+        )
     if clusters is not None:
-        frame = frame.join(clusters.select("sample_id", "cluster", "sq_distance"), on="sample_id",
-                           how="left")
+        frame = frame.join(
+            clusters.select("sample_id", "cluster", "sq_distance"), on="sample_id", how="left"
+        )
     if subsets is not None:
-        frame = frame.join(subsets.select("sample_id", "selection_rank", "selected", "copies", "weight"),
-                           on="sample_id", how="left")
+        frame = frame.join(
+            subsets.select("sample_id", "selection_rank", "selected", "copies", "weight"),
+            on="sample_id",
+            how="left",
+        )
     if shards is not None:
         per_sample = shards.group_by("sample_id").agg(
             pl.col("rank").first(),

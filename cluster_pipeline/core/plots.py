@@ -26,8 +26,9 @@ def markdown_image(png: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
-def cluster_sizes(kmeans_sizes: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
-                  cap: int) -> bytes:
+def cluster_sizes(
+    kmeans_sizes: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray, cap: int
+) -> bytes:
     """Bars of cluster sizes before and after the capacity step, with the cap as a line."""
     k = len(sizes)
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * k + 2), 3))
@@ -42,8 +43,13 @@ def cluster_sizes(kmeans_sizes: Sequence[int] | np.ndarray, sizes: Sequence[int]
     return _png(fig)
 
 
-def pca_map(x: np.ndarray, labels: np.ndarray, selected: np.ndarray | None = None,
-            max_points: int = 20000, seed: int = 0) -> bytes:
+def pca_map(
+    x: np.ndarray,
+    labels: np.ndarray,
+    selected: np.ndarray | None = None,
+    max_points: int = 20000,
+    seed: int = 0,
+) -> bytes:
     """2-D PCA of (N, d) embeddings coloured by cluster; selected samples ringed in black."""
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(x), size=min(len(x), max_points), replace=False)
@@ -55,12 +61,25 @@ def pca_map(x: np.ndarray, labels: np.ndarray, selected: np.ndarray | None = Non
     colors = plt.cm.tab10(np.arange(10))
     for c in np.unique(lab):
         mask = lab == c
-        ax.scatter(xy[mask, 0], xy[mask, 1], color=colors[c % 10], s=8, alpha=0.7,
-                   label=f"cluster {c} ({int(mask.sum())})")
+        ax.scatter(
+            xy[mask, 0],
+            xy[mask, 1],
+            color=colors[c % 10],
+            s=8,
+            alpha=0.7,
+            label=f"cluster {c} ({int(mask.sum())})",
+        )
     if selected is not None:
         sel = selected[idx]
-        ax.scatter(xy[sel, 0], xy[sel, 1], facecolors="none", edgecolors="k", s=18,
-                   linewidths=0.6, label=f"selected ({int(sel.sum())})")
+        ax.scatter(
+            xy[sel, 0],
+            xy[sel, 1],
+            facecolors="none",
+            edgecolors="k",
+            s=18,
+            linewidths=0.6,
+            label=f"selected ({int(sel.sum())})",
+        )
     ax.legend(fontsize=7, loc="best")
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
@@ -79,18 +98,26 @@ def loss_curves(steps: Sequence[int], per_rank: Sequence[Sequence[float]]) -> by
     return _png(fig)
 
 
-def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "",
-                errors: Mapping[str, Mapping[str, float]] | None = None) -> bytes:
+def metric_bars(
+    values: Mapping[str, Mapping[str, float]],
+    title: str = "",
+    errors: Mapping[str, Mapping[str, float]] | None = None,
+) -> bytes:
     """One panel per metric, one bar per model (``values[model][metric]``), with error bars
     from ``errors[model][metric]`` (e.g. the std over seeds) where given."""
     models = list(values)
     metrics = sorted({m for v in values.values() for m in v})
     fig, axes = plt.subplots(1, len(metrics), figsize=(3 * len(metrics), 3), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    for ax, metric in zip(axes[0], metrics, strict=True):
         heights = [values[m].get(metric, np.nan) for m in models]
         yerr = [(errors or {}).get(m, {}).get(metric, 0.0) for m in models]
-        ax.bar(range(len(models)), heights, yerr=yerr if any(yerr) else None, capsize=3,
-               color=plt.cm.tab10(np.arange(len(models)) % 10))
+        ax.bar(
+            range(len(models)),
+            heights,
+            yerr=yerr if any(yerr) else None,
+            capsize=3,
+            color=plt.cm.tab10(np.arange(len(models)) % 10),
+        )
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels(models, rotation=20, fontsize=8)
         ax.set_title(metric, fontsize=9)
@@ -99,11 +126,13 @@ def metric_bars(values: Mapping[str, Mapping[str, float]], title: str = "",
     return _png(fig)
 
 
-def named_curves(curves: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> bytes:
+def named_curves(
+    curves: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str
+) -> bytes:
     """One line per name through its (x, y) points."""
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for name, points in curves.items():
-        xs, ys = zip(*points) if points else ((), ())
+        xs, ys = zip(*points, strict=True) if points else ((), ())
         ax.plot(xs, ys, marker=".", label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -40,11 +40,14 @@ def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
         try:
             names = tuple(json.loads(path.read_text()).get("benchmarks", ()))
         except (ValueError, AttributeError) as e:
-            raise ValueError(f"{path}: expected a JSON object like "
-                             '{"benchmarks": ["mmlu_medical"]} ' f"({e})") from None
+            raise ValueError(
+                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}} ({e})'
+            ) from None
         unknown = set(names) - set(BENCHMARKS)
         if unknown:
-            raise ValueError(f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
+            raise ValueError(
+                f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}"
+            )
         return names
     return DEFAULT_BENCHMARKS.get(dataset, ())
 
@@ -70,8 +73,11 @@ def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEn
     entries = [ModelEntry("base", "base", base_path)]
     for ckpt in checkpoints:
         prov = ckpt.provenance
-        group = (f"{prov['selector']} r={prov.get('ratio')}" if "selector" in prov
-                 else f"checkpoint {ckpt.path.name}")
+        group = (
+            f"{prov['selector']} r={prov.get('ratio')}"
+            if "selector" in prov
+            else f"checkpoint {ckpt.path.name}"
+        )
         seeds = f"seed {ckpt.settings.get('seed', 0)}/{prov.get('selection_seed', 0)}"
         entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt))
     return entries
@@ -118,13 +124,18 @@ def evaluate_entries(
             cache.put(key, outcome)
         heldout_tokens = outcome["heldout_tokens"]
         ckpt = entry.checkpoint
-        results.append(ModelResult(
-            name=entry.name, group=entry.group, path=entry.path, metrics=outcome["metrics"],
-            train_seconds=ckpt.train_seconds if ckpt else None,
-            data_fraction=ckpt.data_fraction if ckpt else None,
-            current=Path(entry.path) == Path(current),
-            loss_curve=ckpt.loss_curve() if ckpt else [],
-        ))
+        results.append(
+            ModelResult(
+                name=entry.name,
+                group=entry.group,
+                path=entry.path,
+                metrics=outcome["metrics"],
+                train_seconds=ckpt.train_seconds if ckpt else None,
+                data_fraction=ckpt.data_fraction if ckpt else None,
+                current=Path(entry.path) == Path(current),
+                loss_curve=ckpt.loss_curve() if ckpt else [],
+            )
+        )
     return results, heldout_tokens
 
 
@@ -136,17 +147,24 @@ def aggregate(results: list[ModelResult], metric_names: list[str]) -> list[dict]
         groups.setdefault(r.group, []).append(r)
     rows = []
     for group, members in groups.items():
-        row: dict[str, Any] = {"group": group, "n": len(members),
-                               "current": any(m.current for m in members)}
+        row: dict[str, Any] = {
+            "group": group,
+            "n": len(members),
+            "current": any(m.current for m in members),
+        }
         columns = {m: [x.metrics.get(m, math.nan) for x in members] for m in metric_names}
-        columns["train_seconds"] = [x.train_seconds if x.train_seconds is not None else math.nan
-                                    for x in members]
-        columns["data_fraction"] = [x.data_fraction if x.data_fraction is not None else math.nan
-                                    for x in members]
+        columns["train_seconds"] = [
+            x.train_seconds if x.train_seconds is not None else math.nan for x in members
+        ]
+        columns["data_fraction"] = [
+            x.data_fraction if x.data_fraction is not None else math.nan for x in members
+        ]
         for name, values in columns.items():
             arr = np.asarray(values, dtype=float)
             row[name] = float(np.nanmean(arr)) if np.isfinite(arr).any() else math.nan
-            row[f"{name}_std"] = float(np.nanstd(arr, ddof=1)) if np.isfinite(arr).sum() > 1 else 0.0
+            row[f"{name}_std"] = (
+                float(np.nanstd(arr, ddof=1)) if np.isfinite(arr).sum() > 1 else 0.0
+            )
         rows.append(row)
     return rows
 
@@ -163,26 +181,39 @@ def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = f"**{r['group']}**" if r["current"] else r["group"]
-        cells = [name, str(r["n"]), _fmt(r["data_fraction"], r["data_fraction_std"], r["n"], 3),
-                 _fmt(r["train_seconds"], r["train_seconds_std"], r["n"], 1)]
+        cells = [
+            name,
+            str(r["n"]),
+            _fmt(r["data_fraction"], r["data_fraction_std"], r["n"], 3),
+            _fmt(r["train_seconds"], r["train_seconds_std"], r["n"], 1),
+        ]
         cells += [_fmt(r[m], r[f"{m}_std"], r["n"]) for m in metric_names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def report_plots(results: list[ModelResult], rows: list[dict], metric_names: list[str]) -> dict[str, bytes]:
+def report_plots(
+    results: list[ModelResult], rows: list[dict], metric_names: list[str]
+) -> dict[str, bytes]:
     """PNG plots: metric bars per model group, training loss curves, time vs data fraction."""
-    out = {"metrics.png": plots.metric_bars(
-        {r["group"]: {m: r[m] for m in metric_names} for r in rows},
-        errors={r["group"]: {m: r[f"{m}_std"] for m in metric_names} for r in rows})}
+    out = {
+        "metrics.png": plots.metric_bars(
+            {r["group"]: {m: r[m] for m in metric_names} for r in rows},
+            errors={r["group"]: {m: r[f"{m}_std"] for m in metric_names} for r in rows},
+        )
+    }
     curves = {r.name: r.loss_curve for r in results if r.loss_curve}
     if curves:
         out["loss_curves.png"] = plots.named_curves(curves, "optimizer step", "training loss")
-    points = [(r.data_fraction, r.train_seconds, r.name) for r in results
-              if r.data_fraction is not None and r.train_seconds is not None]
+    points = [
+        (r.data_fraction, r.train_seconds, r.name)
+        for r in results
+        if r.data_fraction is not None and r.train_seconds is not None
+    ]
     if points:
-        out["time_vs_fraction.png"] = plots.scatter_labelled(points, "data fraction",
-                                                             "training seconds")
+        out["time_vs_fraction.png"] = plots.scatter_labelled(
+            points, "data fraction", "training seconds"
+        )
     return out
 
 
@@ -214,9 +245,15 @@ class Report:
         return path
 
 
-def render_report(dataset: str, results: list[ModelResult], heldout_samples: int,
-                  heldout_tokens: int, suite_sizes: dict[str, int], skipped: dict[str, str],
-                  selection_seconds: float) -> Report:
+def render_report(
+    dataset: str,
+    results: list[ModelResult],
+    heldout_samples: int,
+    heldout_tokens: int,
+    suite_sizes: dict[str, int],
+    skipped: dict[str, str],
+    selection_seconds: float,
+) -> Report:
     """Aggregate ``results`` (one must be ``current``) and render the report: the side-by-side
     table, and the cost of the current run. Full-data training time is estimated as measured
     training seconds / data fraction (training time is linear in samples at a fixed number of
@@ -245,8 +282,20 @@ def render_report(dataset: str, results: list[ModelResult], heldout_samples: int
         f"| full-data training (estimate: measured / fraction) | {full_estimate:.1f} s |\n"
         f"| training time saved | {full_estimate - train_s:.1f} s |\n"
     )
-    document = {"dataset": dataset, "rows": rows, "models": [r.__dict__ for r in results],
-                "skipped": skipped, "selection_seconds": selection_seconds,
-                "full_training_estimate_seconds": full_estimate}
-    return Report(summary, report_plots(results, rows, metric_names), document, rows, train_s,
-                  fraction, full_estimate)
+    document = {
+        "dataset": dataset,
+        "rows": rows,
+        "models": [r.__dict__ for r in results],
+        "skipped": skipped,
+        "selection_seconds": selection_seconds,
+        "full_training_estimate_seconds": full_estimate,
+    }
+    return Report(
+        summary,
+        report_plots(results, rows, metric_names),
+        document,
+        rows,
+        train_s,
+        fraction,
+        full_estimate,
+    )

@@ -58,8 +58,10 @@ def sandbox_interpreter(drop_privileges: bool) -> str:
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
         if Path(candidate).exists() and _world_executable(Path(candidate)):
             return candidate
-    raise FileNotFoundError("no Python interpreter that user 'nobody' can execute; install "
-                            "the system python3 or run as a non-root user")
+    raise FileNotFoundError(
+        "no Python interpreter that user 'nobody' can execute; install "
+        "the system python3 or run as a non-root user"
+    )
 
 
 # Runs first inside the sandbox process (no preexec_fn, so callers may use threads): set the
@@ -103,12 +105,26 @@ def run_python(
         if drop:
             os.chown(workdir, NOBODY, NOBODY)
             os.chown(workdir / "program.py", NOBODY, NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        limits = [str(memory_mb * 2**20), str(int(timeout_s) + 1), str(max_processes), str(int(drop))]
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(workdir),
+            "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        limits = [
+            str(memory_mb * 2**20),
+            str(int(timeout_s) + 1),
+            str(max_processes),
+            str(int(drop)),
+        ]
         proc = subprocess.Popen(
-            [python, "-I", "-c", _BOOT, *limits], cwd=workdir, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [python, "-I", "-c", _BOOT, *limits],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,
         )
         try:

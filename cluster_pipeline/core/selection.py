@@ -169,8 +169,9 @@ def select(
     return SelectionResult(selector, copies > 0, copies, rank, np.ones(n), ones, budget)
 
 
-def selection_from_table(frame: pl.DataFrame, selector: str, k: int,
-                         per_cluster: int) -> SelectionResult:
+def selection_from_table(
+    frame: pl.DataFrame, selector: str, k: int, per_cluster: int
+) -> SelectionResult:
     """Rebuild a selector's result from a ``peripheral_subsets`` table (columns cluster,
     selected, copies, selection_rank, weight); weights at full precision from the ``weight``
     column."""
@@ -191,7 +192,12 @@ def selection_from_table(frame: pl.DataFrame, selector: str, k: int,
 def per_cluster_summary(frame: pl.DataFrame) -> pl.DataFrame:
     """One row per cluster of a ``peripheral_subsets`` table: n_c, samples kept (copies
     counted) and w_c."""
-    return frame.group_by("cluster").agg(
-        pl.len().alias("n_c"), pl.col("copies").sum().alias("kept"),
-        pl.col("weight").first().alias("w_c"),
-    ).sort("cluster")
+    return (
+        frame.group_by("cluster")
+        .agg(
+            pl.len().alias("n_c"),
+            pl.col("copies").sum().alias("kept"),
+            pl.col("weight").first().alias("w_c"),
+        )
+        .sort("cluster")
+    )

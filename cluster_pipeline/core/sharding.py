@@ -26,7 +26,6 @@ from cluster_pipeline.core.selection import (
     SelectionResult,
 )
 
-
 # The checks of :func:`check_allocation`, by name, as the asset checks describe them.
 CHECKS = {
     "equal_shards": "Every rank holds the same number of samples (else DDP hangs).",
@@ -34,8 +33,13 @@ CHECKS = {
     "weights": "Each rank's loss weight equals n_c K / N recomputed from the cluster labels.",
 }
 
-MANIFEST_SCHEMA = {"rank": pl.Int64, "position": pl.Int64, "sample_id": pl.String,
-                   "weight": pl.Float64, "manifest_sha256": pl.String}
+MANIFEST_SCHEMA = {
+    "rank": pl.Int64,
+    "position": pl.Int64,
+    "sample_id": pl.String,
+    "weight": pl.Float64,
+    "manifest_sha256": pl.String,
+}
 
 
 @dataclass(frozen=True)
@@ -163,19 +167,21 @@ def allocate(
 def manifests_frame(manifests: list[ShardManifest]) -> pl.DataFrame:
     """The ``shard_manifests`` table: one row per (rank, position) with the sample id, the rank's
     weight and its manifest's content hash (:data:`MANIFEST_SCHEMA`)."""
-    return pl.concat([
-        pl.DataFrame(
-            {
-                "rank": [m.rank] * m.n_samples,
-                "position": list(range(m.n_samples)),
-                "sample_id": list(m.sample_ids),
-                "weight": [m.weight] * m.n_samples,
-                "manifest_sha256": [m.sha256] * m.n_samples,
-            },
-            schema=MANIFEST_SCHEMA,
-        )
-        for m in manifests
-    ])
+    return pl.concat(
+        [
+            pl.DataFrame(
+                {
+                    "rank": [m.rank] * m.n_samples,
+                    "position": list(range(m.n_samples)),
+                    "sample_id": list(m.sample_ids),
+                    "weight": [m.weight] * m.n_samples,
+                    "manifest_sha256": [m.sha256] * m.n_samples,
+                },
+                schema=MANIFEST_SCHEMA,
+            )
+            for m in manifests
+        ]
+    )
 
 
 def manifest_set_hash(manifests: list[ShardManifest]) -> str:
@@ -204,9 +210,8 @@ def check_allocation(
 
     sizes = [m.n_samples for m in manifests]
     out = {"equal_shards": (len(set(sizes)) == 1, f"shard sizes {sizes}")}
-    expected = Counter(
-        {str(s): int(c) for s, c in zip(sample_ids, selection.copies) if c > 0}
-    )
+    pairs = zip(sample_ids, selection.copies, strict=True)
+    expected = Counter({str(s): int(c) for s, c in pairs if c > 0})
     actual = Counter(sid for m in manifests for sid in m.sample_ids)
     missing = sum((expected - actual).values())
     extra = sum((actual - expected).values())

@@ -21,9 +21,7 @@ from cluster_pipeline.core.formats import Sample
 DATASET_NAME = "python_stdlib"
 _EXCLUDED_DIRS = {"idlelib", "site-packages", "__pycache__", "tests", "turtledemo"}
 
-PROMPT_TEMPLATE = (
-    "Write a Python function `{name}{signature}` that does the following:\n\n{doc}"
-)
+PROMPT_TEMPLATE = "Write a Python function `{name}{signature}` that does the following:\n\n{doc}"
 
 
 def stdlib_root() -> Path:

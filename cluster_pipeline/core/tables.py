@@ -79,7 +79,8 @@ def rows_for(ids: pl.DataFrame, matrix: np.ndarray, sample_ids: pl.Series) -> np
         KeyError: a sample id is not in ``ids``.
     """
     position = ids.with_row_index("i").join(
-        pl.DataFrame({"sample_id": sample_ids}), on="sample_id", how="right")["i"]
+        pl.DataFrame({"sample_id": sample_ids}), on="sample_id", how="right"
+    )["i"]
     if position.null_count():
         raise KeyError(f"{position.null_count()} sample ids have no vector")
     return matrix[position.to_numpy()]
@@ -96,9 +97,7 @@ def write_table(frame: pl.DataFrame, uri: str | Path) -> TableRef:
 
 def vectors_to_series(name: str, matrix: np.ndarray) -> pl.Series:
     """(N, d) float32 matrix -> List(Float32) series (Delta has no fixed-size array type)."""
-    return pl.Series(name, np.ascontiguousarray(matrix, dtype=np.float32)).cast(
-        pl.List(pl.Float32)
-    )
+    return pl.Series(name, np.ascontiguousarray(matrix, dtype=np.float32)).cast(pl.List(pl.Float32))
 
 
 def series_to_matrix(series: pl.Series, dim: int | None = None) -> np.ndarray:

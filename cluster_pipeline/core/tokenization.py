@@ -92,8 +92,9 @@ def encode_sample(
     total = len(prompt_ids) + len(response_ids)
     truncated = total > max_length
     if len(prompt_ids) >= max_length:
-        return EncodedSample(prompt_ids[:max_length], [IGNORE_INDEX] * max_length, 0, True,
-                             SKIP_NO_RESPONSE_TOKENS)
+        return EncodedSample(
+            prompt_ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
+        )
     response_ids = response_ids[: max_length - len(prompt_ids)]
     return EncodedSample(
         input_ids=prompt_ids + response_ids,
@@ -125,10 +126,17 @@ def collate(
         labels[i, span] = torch.tensor(s.labels, dtype=torch.long)
         mask[i, span] = 1
     position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": position_ids}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+    }
 
 
-def length_batches(lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int) -> list[list[int]]:
+def length_batches(
+    lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int
+) -> list[list[int]]:
     """Group sample indices into batches of similar length to cut padding.
 
     Samples are sorted by length (stable, so ties keep input order); a batch closes when it

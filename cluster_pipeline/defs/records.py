@@ -33,8 +33,9 @@ def _encode(value: Any, as_path: bool) -> Any:
     if isinstance(value, TableRef):
         raise TypeError("TableRef fields are expanded by to_metadata")
     if isinstance(value, dict) and value and all(isinstance(v, TableRef) for v in value.values()):
-        return dg.MetadataValue.json({k: {"uri": v.uri, "version": v.version}
-                                      for k, v in value.items()})
+        return dg.MetadataValue.json(
+            {k: {"uri": v.uri, "version": v.version} for k, v in value.items()}
+        )
     if isinstance(value, (dict, list, tuple)):
         return dg.MetadataValue.json(value if not isinstance(value, tuple) else list(value))
     if as_path and value is not None:
@@ -75,8 +76,9 @@ class StageRecord:
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
             if hint is TableRef:
-                kwargs[f.name] = TableRef(str(values[f"{f.name}_uri"]),
-                                          int(values[f"{f.name}_version"]))
+                kwargs[f.name] = TableRef(
+                    str(values[f"{f.name}_uri"]), int(values[f"{f.name}_version"])
+                )
                 continue
             if f.name not in values:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -222,9 +224,11 @@ class EvalReportRecord(StageRecord):
     def to_metadata(self) -> dict[str, Any]:
         # Each metric also as its own numeric entry (``base/heldout_loss``), which the UI plots
         # across materializations.
-        flat = {f"{label}/{name}": value for label, metrics in (("base", self.base),
-                                                                ("tuned", self.tuned))
-                for name, value in metrics.items()}
+        flat = {
+            f"{label}/{name}": value
+            for label, metrics in (("base", self.base), ("tuned", self.tuned))
+            for name, value in metrics.items()
+        }
         return {**super().to_metadata(), **flat}
 
 
@@ -239,8 +243,9 @@ R = typing.TypeVar("R", bound=StageRecord)
 C = typing.TypeVar("C", bound=ChainRecord)
 
 
-def _materializations(instance: dg.DagsterInstance, asset: str, partition: str,
-                      limit: int) -> list[dg.AssetMaterialization]:
+def _materializations(
+    instance: dg.DagsterInstance, asset: str, partition: str, limit: int
+) -> list[dg.AssetMaterialization]:
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]),
         limit=limit,
@@ -252,8 +257,7 @@ def _values(materialization: dg.AssetMaterialization) -> dict[str, Any]:
     return {k: v.value for k, v in materialization.metadata.items()}
 
 
-def _parse(cls: type[R], materialization: dg.AssetMaterialization,
-                           partition: str) -> R:
+def _parse(cls: type[R], materialization: dg.AssetMaterialization, partition: str) -> R:
     try:
         return cls.from_metadata(_values(materialization))
     except (KeyError, TypeError, ValueError) as e:
@@ -264,8 +268,7 @@ def _parse(cls: type[R], materialization: dg.AssetMaterialization,
         ) from e
 
 
-def latest_record(instance: dg.DagsterInstance, cls: type[R],
-                                  partition: str) -> R | None:
+def latest_record(instance: dg.DagsterInstance, cls: type[R], partition: str) -> R | None:
     """The record of the latest materialization of ``cls.ASSET`` for ``partition``, or None."""
     found = _materializations(instance, cls.ASSET, partition, limit=1)
     return _parse(cls, found[0], partition) if found else None
@@ -286,8 +289,9 @@ def read_record(context: dg.AssetExecutionContext, cls: type[R]) -> R:
     return record
 
 
-def pinned_record(context: dg.AssetExecutionContext, cls: type[C],
-                                  table: TableRef, search: int = 1000) -> C:
+def pinned_record(
+    context: dg.AssetExecutionContext, cls: type[C], table: TableRef, search: int = 1000
+) -> C:
     """The record of the ``cls.ASSET`` materialization that wrote ``table`` (one version).
 
     Raises:
@@ -295,8 +299,10 @@ def pinned_record(context: dg.AssetExecutionContext, cls: type[C],
     """
     for m in _materializations(context.instance, cls.ASSET, context.partition_key, search):
         values = _values(m)
-        if (str(values.get("table_uri")) == table.uri
-                and values.get("table_version") == table.version):
+        if (
+            str(values.get("table_uri")) == table.uri
+            and values.get("table_version") == table.version
+        ):
             return _parse(cls, m, context.partition_key)
     raise UpstreamNotMaterialized(
         description=f"no {cls.ASSET} materialization of partition {context.partition_key!r} "

@@ -58,15 +58,29 @@ class TorchrunResource(dg.ConfigurableResource):
     )
     rdzv_id: str = Field(default="cluster_pipeline", description="Rendezvous job id.")
 
-    def command(self, module: str, nproc_per_node: int, args: list[str],
-                log_dir: Path | None = None) -> list[str]:
+    def command(
+        self, module: str, nproc_per_node: int, args: list[str], log_dir: Path | None = None
+    ) -> list[str]:
         """See :func:`cluster_pipeline.training.torchrun.torchrun_command`."""
-        return torchrun_command(module, nproc_per_node, args, nnodes=self.nnodes,
-                                node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                                rdzv_id=self.rdzv_id, log_dir=log_dir)
+        return torchrun_command(
+            module,
+            nproc_per_node,
+            args,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            rdzv_endpoint=self.rdzv_endpoint,
+            rdzv_id=self.rdzv_id,
+            log_dir=log_dir,
+        )
 
-    def run(self, context: dg.AssetExecutionContext, pipes_client: dg.PipesSubprocessClient,
-            module: str, nproc_per_node: int, job_file: Path) -> dg.PipesClientCompletedInvocation:
+    def run(
+        self,
+        context: dg.AssetExecutionContext,
+        pipes_client: dg.PipesSubprocessClient,
+        module: str,
+        nproc_per_node: int,
+        job_file: Path,
+    ) -> dg.PipesClientCompletedInvocation:
         """Run ``torchrun ... -m module --config job_file``; rank 0 reports through Pipes.
 
         Every rank's output is teed to ``<job_file>.logs/``.
@@ -86,8 +100,10 @@ class TorchrunResource(dg.ConfigurableResource):
             raise dg.Failure(
                 description=f"{module}: {failure_summary(failures) or e}. Per-rank logs: {log_dir}",
                 metadata={
-                    **{name: dg.MetadataValue.md(f"```\n{text}\n```")
-                       for name, text in failures.items()},
+                    **{
+                        name: dg.MetadataValue.md(f"```\n{text}\n```")
+                        for name, text in failures.items()
+                    },
                     "log_dir": dg.MetadataValue.path(str(log_dir)),
                 },
             ) from e

@@ -44,8 +44,12 @@ class JobFile(_Model):
 class EmbedSettings(_Model):
     """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1)."""
 
-    max_length: int = Field(default=512, ge=2, description="Max tokens per sample (prompt + "
-                            "response); the end of the response is cut first.")
+    max_length: int = Field(
+        default=512,
+        ge=2,
+        description="Max tokens per sample (prompt + "
+        "response); the end of the response is cut first.",
+    )
     max_batch_size: int = Field(default=16, ge=1, description="Max samples per forward pass.")
     max_batch_tokens: int = Field(default=8192, ge=1, description="Max padded tokens per batch.")
     chunk_size: int = Field(default=512, ge=1, description="Samples per resumable chunk.")
@@ -73,29 +77,41 @@ class TrainSettings(_Model):
     """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5)."""
 
     max_length: int = Field(default=512, ge=2, description="Max tokens per training sample.")
-    per_device_batch_size: int = Field(default=4, ge=1, description="Samples per rank per "
-                                       "micro-batch.")
-    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per "
-                                             "optimizer step.")
+    per_device_batch_size: int = Field(
+        default=4, ge=1, description="Samples per rank per micro-batch."
+    )
+    gradient_accumulation_steps: int = Field(
+        default=1, ge=1, description="Micro-batches per optimizer step."
+    )
     epochs: int = Field(default=1, ge=1, description="Passes over each rank's shard.")
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many "
-                                  "optimizer steps (None = all epochs).")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many optimizer steps (None = all epochs)."
+    )
     learning_rate: float = Field(default=5e-5, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
-    warmup_ratio: float = Field(default=0.1, ge=0.0, lt=1.0, description="Fraction of steps "
-                                "of linear warmup.")
+    warmup_ratio: float = Field(
+        default=0.1, ge=0.0, lt=1.0, description="Fraction of steps of linear warmup."
+    )
     schedule: Schedule = Field(default="cosine", description="Decay after warmup.")
     max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping norm.")
     bf16: bool = Field(default=False, description="bfloat16 autocast.")
-    reweight: bool = Field(default=True, description="Multiply rank c's loss by w_c = n_c K / N "
-                           "(docs/design.md, step 5); off = plain balanced training.")
+    reweight: bool = Field(
+        default=True,
+        description="Multiply rank c's loss by w_c = n_c K / N "
+        "(docs/design.md, step 5); off = plain balanced training.",
+    )
     seed: int = Field(default=0, description="Training seed (rank r uses seed + r).")
-    save_every_steps: int | None = Field(default=None, ge=1, description="Save a resumable "
-                                         "checkpoint every N optimizer steps (None = only at "
-                                         "the end).")
+    save_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Save a resumable checkpoint every N optimizer steps (None = only at the end).",
+    )
     keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
-    resume: bool = Field(default=True, description="Resume from the latest intermediate "
-                         "checkpoint of the same manifests and config, if one exists.")
+    resume: bool = Field(
+        default=True,
+        description="Resume from the latest intermediate "
+        "checkpoint of the same manifests and config, if one exists.",
+    )
 
 
 class TrainJob(JobFile):

@@ -111,12 +111,18 @@ def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     return [o.cpu().tolist() for o in out]
 
 
-def run_entry_point(job_cls: type[J], body: Callable[[J, DistEnv, Reporter], None],
-                    argv: list[str] | None, description: str) -> None:
+def run_entry_point(
+    job_cls: type[J],
+    body: Callable[[J, DistEnv, Reporter], None],
+    argv: list[str] | None,
+    description: str,
+) -> None:
     """The shared ``main`` of a torchrun entry point: read ``--config`` as a ``job_cls`` job
     file (validated), join the process group, run ``body`` with rank 0's reporter, and leave
     the group. Call it from a ``main`` wrapped in torch's ``@record``."""
-    parser = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
+    parser = argparse.ArgumentParser(
+        description=description.splitlines()[0] if description else None
+    )
     parser.add_argument("--config", required=True, help=f"{job_cls.__name__} JSON file")
     args = parser.parse_args(argv)
     job = job_cls.load(args.config)

@@ -5,7 +5,8 @@ Launch lines::
     # one process
     python -m cluster_pipeline.training.embed --config embed_job.json
     # W processes on one machine (gloo on CPU, nccl on GPUs)
-    torchrun --standalone --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_job.json
+    torchrun --standalone --nproc_per_node=W -m cluster_pipeline.training.embed \
+        --config embed_job.json
     # several machines: same command on each, with
     torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
         --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_job.json
@@ -97,7 +98,9 @@ def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl
 
 def read_train_split(uri: str, version: int) -> pl.DataFrame:
     """The training split of a raw_instructions version, in table order."""
-    frame = pl.read_delta(uri, version=version, columns=["sample_id", "split", "system", "prompt", "response"])
+    frame = pl.read_delta(
+        uri, version=version, columns=["sample_id", "split", "system", "prompt", "response"]
+    )
     return frame.filter(pl.col("split") == "train").drop("split")
 
 
@@ -129,8 +132,10 @@ def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> E
     chunks = gather_chunks(chunk_dir, sample_ids, chunk_size)
     ok = chunks["skip_reason"].is_null().to_numpy()
     if not ok.any():
-        raise ValueError("no sample has a response token within max_length; raise max_length "
-                         "or check the responses")
+        raise ValueError(
+            "no sample has a response token within max_length; raise max_length "
+            "or check the responses"
+        )
     matrix = series_to_matrix(chunks.filter(pl.Series(ok))["embedding"])
     normalised = np.zeros((chunks.height, matrix.shape[1]), dtype=np.float32)
     normalised[ok] = l2_normalise(matrix)
@@ -138,12 +143,22 @@ def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> E
         pl.when(pl.col("skip_reason").is_null()).then(pl.col("embedding_normalised"))
     )
     skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
-    return EmbeddingTable(frame, int(ok.sum()), dict(zip(skipped["skip_reason"], skipped["len"])),
-                          int(matrix.shape[1]))
+    return EmbeddingTable(
+        frame,
+        int(ok.sum()),
+        dict(zip(skipped["skip_reason"], skipped["len"], strict=True)),
+        int(matrix.shape[1]),
+    )
 
 
-def embed_frame(model, tokenizer, frame: pl.DataFrame, settings: EmbedSettings,
-                lm_head_chunk_rows: int = 1024, on_batch=None) -> pl.DataFrame:
+def embed_frame(
+    model,
+    tokenizer,
+    frame: pl.DataFrame,
+    settings: EmbedSettings,
+    lm_head_chunk_rows: int = 1024,
+    on_batch=None,
+) -> pl.DataFrame:
     """Embed every sample of ``frame`` (columns sample_id, system, prompt, response).
 
     Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
@@ -212,8 +227,11 @@ def run_pass(job: EmbedJob, env, report) -> None:
     progress_file = chunk_dir / f"progress_rank{env.rank}.json"
     progress_file.unlink(missing_ok=True)  # counts of an earlier, interrupted run
     state: dict[str, Any] = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
-    done_before = sum(min(cfg.chunk_size, frame.height - i * cfg.chunk_size)
-                      for i in range(total) if chunk_path(chunk_dir, i).exists())
+    done_before = sum(
+        min(cfg.chunk_size, frame.height - i * cfg.chunk_size)
+        for i in range(total)
+        if chunk_path(chunk_dir, i).exists()
+    )
 
     def on_batch(samples: int, tokens: int) -> None:
         state["samples"] += samples
@@ -222,7 +240,9 @@ def run_pass(job: EmbedJob, env, report) -> None:
         if now - state["last"] < job.progress_every_s:
             return
         state["last"] = now
-        progress_file.write_text(json.dumps({"samples": state["samples"], "tokens": state["tokens"]}))
+        progress_file.write_text(
+            json.dumps({"samples": state["samples"], "tokens": state["tokens"]})
+        )
         if env.is_main:
             samples_all, tokens_all = 0, 0
             for p in chunk_dir.glob("progress_rank*.json"):
@@ -254,8 +274,14 @@ def run_pass(job: EmbedJob, env, report) -> None:
     )
     if env.is_main:
         (chunk_dir / PASS_STATS).write_text(
-            json.dumps({"samples": sum(g[0] for g in gathered), "tokens": sum(g[1] for g in gathered),
-                        "seconds": max(g[2] for g in gathered), "world_size": env.world_size})
+            json.dumps(
+                {
+                    "samples": sum(g[0] for g in gathered),
+                    "tokens": sum(g[1] for g in gathered),
+                    "seconds": max(g[2] for g in gathered),
+                    "world_size": env.world_size,
+                }
+            )
         )
 
 

@@ -5,12 +5,14 @@ Launch lines::
     # one process (world size 1: one shard manifest)
     python -m cluster_pipeline.training.train --config train_job.json
     # K ranks on one machine, rank c trains on shard manifest c (gloo on CPU, nccl on GPUs)
-    torchrun --standalone --nproc_per_node=K -m cluster_pipeline.training.train --config train_job.json
+    torchrun --standalone --nproc_per_node=K -m cluster_pipeline.training.train \
+        --config train_job.json
     # several machines: same command on each node, with
     torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 \
         --nproc_per_node=K/2 -m cluster_pipeline.training.train --config train_job.json
 
-The job file is a :class:`~cluster_pipeline.training.config.TrainJob`. Rank c reads ``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N.
+The job file is a :class:`~cluster_pipeline.training.config.TrainJob`. Rank c reads
+``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N.
 DDP averages gradients over the K ranks, so each update follows (1/K) sum_c w_c g_c =
 sum_c (n_c / N) g_c: the stratified estimate of the full-data gradient. Every rank must take the
 same number of optimizer steps (DDP hangs otherwise); that is checked before the first step.
@@ -76,7 +78,8 @@ def steps_per_epoch(n_samples: int, batch_size: int, accumulation: int) -> int:
 def total_steps(n_samples: int, settings: TrainSettings) -> int:
     """Optimizer steps of the whole run: epochs x steps per epoch, capped by ``max_steps``."""
     steps = settings.epochs * steps_per_epoch(
-        n_samples, settings.per_device_batch_size, settings.gradient_accumulation_steps)
+        n_samples, settings.per_device_batch_size, settings.gradient_accumulation_steps
+    )
     return steps if settings.max_steps is None else min(steps, settings.max_steps)
 
 
@@ -109,11 +112,16 @@ def weighted_loss(model, batch: dict[str, torch.Tensor], weight: float, accumula
         labels=batch["labels"],
         use_cache=False,
     )
-    return out.loss * (weight / accumulation), out.loss.detach(), int((batch["labels"] != -100).sum())
+    return (
+        out.loss * (weight / accumulation),
+        out.loss.detach(),
+        int((batch["labels"] != -100).sum()),
+    )
 
 
-def step_plan(n_samples: int, settings: TrainSettings,
-              n_steps: int) -> list[tuple[int, list[np.ndarray]]]:
+def step_plan(
+    n_samples: int, settings: TrainSettings, n_steps: int
+) -> list[tuple[int, list[np.ndarray]]]:
     """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
     that a resumed run sees exactly the batches the interrupted one would have. Epoch 0 follows
     the manifest's seeded order; later epochs reshuffle it with seed + epoch."""
@@ -132,7 +140,10 @@ def step_plan(n_samples: int, settings: TrainSettings,
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
         return out.stdout.strip() or None if out.returncode == 0 else None
@@ -146,8 +157,11 @@ def load_shard_samples(job: TrainJob, manifest: ShardManifest) -> pl.DataFrame:
     Raises:
         KeyError: a sample_id of the manifest is missing from the instructions table version.
     """
-    table = pl.read_delta(job.instructions_uri, version=job.instructions_version,
-                          columns=["sample_id", "system", "prompt", "response"])
+    table = pl.read_delta(
+        job.instructions_uri,
+        version=job.instructions_version,
+        columns=["sample_id", "system", "prompt", "response"],
+    )
     order = pl.DataFrame({"sample_id": list(manifest.sample_ids)}).with_row_index("position")
     rows = order.join(table, on="sample_id", how="left").sort("position")
     missing = rows.filter(pl.col("prompt").is_null())["sample_id"].to_list()
@@ -221,8 +235,9 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         )
     manifest = ShardManifest.read(Path(job.manifests[env.rank]))
     if manifest.rank != env.rank:
-        raise ValueError(f"manifest {job.manifests[env.rank]} is for rank {manifest.rank}, "
-                         f"not {env.rank}")
+        raise ValueError(
+            f"manifest {job.manifests[env.rank]} is for rank {manifest.rank}, not {env.rank}"
+        )
     steps = total_steps(manifest.n_samples, cfg)
     check_equal_steps(manifest.n_samples, steps, env)
 
@@ -241,9 +256,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         encode_sample(tokenizer, s, p, r, cfg.max_length)
         for s, p, r in zip(rows["system"], rows["prompt"], rows["response"], strict=True)
     ]
-    ddp_model = (
-        torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
-    )
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
@@ -251,10 +264,17 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         optimizer, lr_lambda(cfg.schedule, int(cfg.warmup_ratio * steps), steps)
     )
     run = TrainRun(
-        job=job, env=env, model=model, ddp_model=ddp_model, tokenizer=tokenizer,
-        optimizer=optimizer, scheduler=scheduler, encoded=encoded,
+        job=job,
+        env=env,
+        model=model,
+        ddp_model=ddp_model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        encoded=encoded,
         weight=manifest.weight if cfg.reweight else 1.0,
-        plan=step_plan(len(encoded), cfg, steps), manifest_hashes=manifest_hashes,
+        plan=step_plan(len(encoded), cfg, steps),
+        manifest_hashes=manifest_hashes,
         resumed_from=resume,
     )
     elapsed_before = 0.0
@@ -289,8 +309,11 @@ def train_step(run: TrainRun) -> dict[str, Any]:
         # DDP all-reduces gradients on every backward unless told otherwise: only the last
         # micro-batch of an accumulation group synchronises.
         ddp = run.ddp_model
-        ctx = (ddp.no_sync() if isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
-               and not last else nullcontext())
+        ctx = (
+            ddp.no_sync()
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and not last
+            else nullcontext()
+        )
         with ctx, autocast:
             loss, raw, n_tok = weighted_loss(run.ddp_model, batch, run.weight, len(group))
             loss.backward()
@@ -334,7 +357,8 @@ def save_intermediate(run: TrainRun, report: Reporter) -> None:
             "manifest_sha256": run.manifest_hashes,
         }
         path = CheckpointDir(intermediate_dir(run.job.output_dir)).save(
-            run.model, run.tokenizer, run.step, state, run.settings.keep_checkpoints)
+            run.model, run.tokenizer, run.step, state, run.settings.keep_checkpoints
+        )
         report.info(f"saved {path}")
     if dist.is_initialized():
         dist.barrier()
@@ -355,8 +379,9 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "git_commit": _git_commit(),
             "world_size": run.env.world_size,
             "steps": run.step,
-            "resumed_from_step": (int(run.resumed_from.name.split("_")[-1])
-                                  if run.resumed_from else None),
+            "resumed_from_step": (
+                int(run.resumed_from.name.split("_")[-1]) if run.resumed_from else None
+            ),
             "train_seconds": train_seconds,
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),

@@ -51,7 +51,7 @@ def test_capacity_assignment_refuses_too_small_caps():
 def _blobs(sizes, d=8, seed=0):
     rng = np.random.default_rng(seed)
     centers = rng.normal(size=(len(sizes), d)) * 5
-    x = np.concatenate([c + rng.normal(size=(n, d)) for c, n in zip(centers, sizes)])
+    x = np.concatenate([c + rng.normal(size=(n, d)) for c, n in zip(centers, sizes, strict=True)])
     return l2_normalise(x.astype(np.float32))
 
 
@@ -61,8 +61,9 @@ def test_every_sample_in_one_cluster_and_no_cluster_above_cap(k, alpha):
     r = balanced_kmeans(x, k, alpha, seed=0)
     assert r.labels.shape == (130,) and set(r.labels.tolist()) <= set(range(k))
     assert r.sizes.sum() == 130 and r.sizes.max() <= r.cap == capacity(130, k, alpha)
-    np.testing.assert_allclose(r.sq_distance, squared_distances(x, r.centroids)[np.arange(130), r.labels],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        r.sq_distance, squared_distances(x, r.centroids)[np.arange(130), r.labels], rtol=1e-6
+    )
     assert r.cost >= r.kmeans_cost - 1e-6 and r.cost_increase >= -1e-9
 
 

@@ -37,10 +37,12 @@ def test_split_is_exact_deterministic_and_disjoint():
     assert frame.filter(frame["prompt"] == "p0")["source_file"].item() == "f.jsonl"
     again, _ = build_instruction_table(list(reversed(_samples(100))), 0.1, None, None, seed=0)
     assert set(again.filter(again["split"] == "heldout")["sample_id"]) == set(
-        frame.filter(frame["split"] == "heldout")["sample_id"])
+        frame.filter(frame["split"] == "heldout")["sample_id"]
+    )
     other, _ = build_instruction_table(_samples(100), 0.1, None, None, seed=1)
     assert set(other.filter(other["split"] == "heldout")["sample_id"]) != set(
-        frame.filter(frame["split"] == "heldout")["sample_id"])
+        frame.filter(frame["split"] == "heldout")["sample_id"]
+    )
 
 
 def test_caps_limit_both_splits():
@@ -69,16 +71,22 @@ def test_stdlib_dataset_size_and_determinism(stdlib_samples):
 
 
 def test_stdlib_sample_points_at_its_function(stdlib_samples):
-    s = next(x for x in stdlib_samples if x.source_file.endswith("/json/__init__.py")
-             and "`dumps(" in x.prompt)
+    s = next(
+        x
+        for x in stdlib_samples
+        if x.source_file.endswith("/json/__init__.py") and "`dumps(" in x.prompt
+    )
     line = Path(s.source_file).read_text().splitlines()[s.source_line - 1]
     assert line.startswith("def dumps(")
     assert s.response.startswith("def dumps(") and "separators" in s.prompt
     ast.parse(s.response)  # the response is the function's real source
-    assert all("/test" not in x.source_file and "idlelib" not in x.source_file
-               for x in stdlib_samples)
-    assert all(x.source_file.startswith(sys.base_prefix) or "lib" in x.source_file
-               for x in stdlib_samples[:10])
+    assert all(
+        "/test" not in x.source_file and "idlelib" not in x.source_file for x in stdlib_samples
+    )
+    assert all(
+        x.source_file.startswith(sys.base_prefix) or "lib" in x.source_file
+        for x in stdlib_samples[:10]
+    )
 
 
 def test_source_fingerprint_follows_content_not_timestamps(tmp_path):

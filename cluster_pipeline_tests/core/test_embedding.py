@@ -11,8 +11,11 @@ from cluster_pipeline_tests.helpers import build_model, build_tokenizer
 SAMPLES = [
     ("", "Add 3 and 4.", "The sum is 7."),
     ("", "Reverse the word apple.", "elppa"),
-    ("Be brief.", "Write a python function that returns the sum of a list.",
-     "def f(xs):\n    return sum(xs)"),
+    (
+        "Be brief.",
+        "Write a python function that returns the sum of a list.",
+        "def f(xs):\n    return sum(xs)",
+    ),
     ("", "Explain the river.", "A river is water that flows to the sea " * 3),
     ("", "x", "y"),
     ("", "Multiply 12 by 3 and explain the product of the numbers in words.", "36, thirty six."),
@@ -108,6 +111,7 @@ def test_bf16_autocast_stays_close_to_float32(tiny_model, tiny_tokenizer):
     half = embed_batch(tiny_model, batch, autocast_dtype=torch.bfloat16)
     assert half.embedding.dtype == np.float32
     cos = (full.embedding * half.embedding).sum(1) / (
-        np.linalg.norm(full.embedding, axis=1) * np.linalg.norm(half.embedding, axis=1))
+        np.linalg.norm(full.embedding, axis=1) * np.linalg.norm(half.embedding, axis=1)
+    )
     assert (cos > 0.99).all()
     np.testing.assert_allclose(half.mean_loss, full.mean_loss, rtol=0.02)

@@ -20,8 +20,9 @@ from cluster_pipeline.core.sandbox import run_python
 from cluster_pipeline.core.tokenization import collate, encode_sample
 from cluster_pipeline_tests.helpers import SHARED_DATASETS
 
-PROBLEM = CodeProblem("t/0", "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "add",
-                      "assert add(2, 3) == 5\n", ("\ndef", "\n#"))
+PROBLEM = CodeProblem(
+    "t/0", 'def add(a, b):\n    """Add."""\n', "add", "assert add(2, 3) == 5\n", ("\ndef", "\n#")
+)
 
 
 def _nll(model, sample) -> float:
@@ -29,15 +30,24 @@ def _nll(model, sample) -> float:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"]).logits[0, :-1]
     labels = batch["labels"][0, 1:]
-    return float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100,
-                                                   reduction="sum"))
+    return float(
+        torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    )
 
 
 def test_heldout_loss_is_the_token_weighted_mean(tiny_model, tiny_tokenizer):
-    frame = pl.DataFrame({"system": ["", ""], "prompt": ["Add 3 and 4.", "Reverse dog."],
-                          "response": ["The sum is 7.", "god god god god god"]})
+    frame = pl.DataFrame(
+        {
+            "system": ["", ""],
+            "prompt": ["Add 3 and 4.", "Reverse dog."],
+            "response": ["The sum is 7.", "god god god god god"],
+        }
+    )
     got = heldout_loss(tiny_model, tiny_tokenizer, frame, max_length=64)
-    enc = [encode_sample(tiny_tokenizer, "", p, r, 64) for p, r in zip(frame["prompt"], frame["response"])]
+    enc = [
+        encode_sample(tiny_tokenizer, "", p, r, 64)
+        for p, r in zip(frame["prompt"], frame["response"], strict=True)
+    ]
     total = sum(_nll(tiny_model, e) for e in enc)
     tokens = sum(e.n_response_tokens for e in enc)
     assert got["tokens"] == tokens and got["loss"] == pytest.approx(total / tokens, rel=1e-5)
@@ -45,16 +55,30 @@ def test_heldout_loss_is_the_token_weighted_mean(tiny_model, tiny_tokenizer):
 
 
 def test_mmlu_picks_the_most_likely_option(tiny_model, tiny_tokenizer):
-    q = {"question": "Which is a river?", "answer_a": "the sea", "answer_b": "a dog",
-         "answer_c": "water that flows", "answer_d": "a tree", "correct_answer": "C", "topic": "t"}
-    prompt = q["question"] + "\n" + "\n".join(
-        f"{c}. {q['answer_' + c.lower()]}" for c in "ABCD") + "\nAnswer:"
-    nll = [_nll(tiny_model, encode_sample(tiny_tokenizer, "", prompt, q["answer_" + c.lower()], 512))
-           for c in "ABCD"]
+    q = {
+        "question": "Which is a river?",
+        "answer_a": "the sea",
+        "answer_b": "a dog",
+        "answer_c": "water that flows",
+        "answer_d": "a tree",
+        "correct_answer": "C",
+        "topic": "t",
+    }
+    prompt = (
+        q["question"]
+        + "\n"
+        + "\n".join(f"{c}. {q['answer_' + c.lower()]}" for c in "ABCD")
+        + "\nAnswer:"
+    )
+    nll = [
+        _nll(tiny_model, encode_sample(tiny_tokenizer, "", prompt, q["answer_" + c.lower()], 512))
+        for c in "ABCD"
+    ]
     best = "ABCD"[int(np.argmin(nll))]
     other = next(c for c in "ABCD" if c != best)
-    acc, records = mmlu_accuracy(tiny_model, tiny_tokenizer, [{**q, "correct_answer": best},
-                                                              {**q, "correct_answer": other}])
+    acc, records = mmlu_accuracy(
+        tiny_model, tiny_tokenizer, [{**q, "correct_answer": best}, {**q, "correct_answer": other}]
+    )
     assert records[0]["predicted"] == records[1]["predicted"] == best
     assert acc == 0.5
 
@@ -65,7 +89,10 @@ def test_extracting_completions():
     assert extract_completion(PROBLEM, "    return a + b\n", chat=True) == "    return a + b\n"
     raw = "    return a + b\n\ndef other():\n    pass\n"
     assert extract_completion(PROBLEM, raw, chat=False) == "    return a + b\n"
-    for completion, ok in (("\ndef add(a, b):\n    return a + b\n", True), ("    return a - b\n", False)):
+    for completion, ok in (
+        ("\ndef add(a, b):\n    return a + b\n", True),
+        ("    return a - b\n", False),
+    ):
         assert run_python(PROBLEM.prompt + completion + "\n" + PROBLEM.test).passed is ok
 
 
@@ -81,10 +108,20 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
 
 def test_mbpp_format(tmp_path):
     path = tmp_path / "mbpp.json"
-    path.write_text(json.dumps([{
-        "name": "mbpp_1_double", "prompt": "def double(x: int) -> int:\n    \"\"\"Double x.\"\"\"\n",
-        "tests": "def check(candidate):\n    assert candidate(2) == 4\n\ncheck(double)\n",
-        "stop_tokens": ["\ndef"]}]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "name": "mbpp_1_double",
+                    "prompt": 'def double(x: int) -> int:\n    """Double x."""\n',
+                    "tests": (
+                        "def check(candidate):\n    assert candidate(2) == 4\n\ncheck(double)\n"
+                    ),
+                    "stop_tokens": ["\ndef"],
+                }
+            ]
+        )
+    )
     (p,) = load_mbpp(path)
     assert p.entry_point == "double" and p.stop == ("\ndef",)
     assert run_python(p.prompt + "    return 2 * x\n\n" + p.test).passed
@@ -95,14 +132,22 @@ def test_mbpp_format(tmp_path):
 
 
 def test_shared_eval_files_load():
-    mbpp, mmlu = SHARED_DATASETS / "eval" / "mbpp_reworded.json", SHARED_DATASETS / "eval" / "mmlu.jsonl"
+    mbpp, mmlu = (
+        SHARED_DATASETS / "eval" / "mbpp_reworded.json",
+        SHARED_DATASETS / "eval" / "mmlu.jsonl",
+    )
     if not mbpp.exists() or not mmlu.exists():
-        pytest.skip(f"{SHARED_DATASETS / 'eval'} absent (shared datasets exist only on the project's machines)")
+        pytest.skip(
+            f"{SHARED_DATASETS / 'eval'} absent "
+            "(shared datasets exist only on the project's machines)"
+        )
     problems = load_mbpp(mbpp)
     assert len(problems) == 397
     first = problems[0]
     assert first.entry_point == "check_value"
-    assert run_python(first.prompt + "    return all(v == n for v in dict.values())\n\n" + first.test).passed
+    assert run_python(
+        first.prompt + "    return all(v == n for v in dict.values())\n\n" + first.test
+    ).passed
     from cluster_pipeline.core.evaluation import MMLU_MEDICAL_TOPICS
 
     assert len(load_mmlu(mmlu, MMLU_MEDICAL_TOPICS)) == 1089

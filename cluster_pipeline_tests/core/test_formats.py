@@ -23,14 +23,31 @@ from cluster_pipeline_tests.helpers import SHARED_DATASETS
         ({"instruction": "Say hi", "response": "hi"}, "instruction_response", "Say hi", "hi", ""),
         ({"problem": "P", "solution": "S"}, "magicoder", "P", "S", ""),
         (
-            {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "Q"},
-                               {"from": "gpt", "value": "A"}]},
-            "sharegpt", "Q", "A", "sys",
+            {
+                "conversations": [
+                    {"from": "system", "value": "sys"},
+                    {"from": "human", "value": "Q"},
+                    {"from": "gpt", "value": "A"},
+                ]
+            },
+            "sharegpt",
+            "Q",
+            "A",
+            "sys",
         ),
         (
-            {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]},
-            "openai", "User: Q1\n\nAssistant: A1\n\nUser: Q2", "A2", "",
+            {
+                "messages": [
+                    {"role": "user", "content": "Q1"},
+                    {"role": "assistant", "content": "A1"},
+                    {"role": "user", "content": "Q2"},
+                    {"role": "assistant", "content": "A2"},
+                ]
+            },
+            "openai",
+            "User: Q1\n\nAssistant: A1\n\nUser: Q2",
+            "A2",
+            "",
         ),
     ],
 )
@@ -47,7 +64,9 @@ def test_sample_id_is_a_content_hash():
 
 def test_json_array_records_keep_their_starting_line(tmp_path):
     path = tmp_path / "d.json"
-    path.write_text('[\n  {"problem": "a",\n   "solution": "b"},\n\n  {"problem": "c", "solution": "d"}\n]\n')
+    path.write_text(
+        '[\n  {"problem": "a",\n   "solution": "b"},\n\n  {"problem": "c", "solution": "d"}\n]\n'
+    )
     assert [(line, r["problem"]) for line, r in iter_file_records(path)] == [(2, "a"), (5, "c")]
 
 
@@ -68,7 +87,9 @@ def test_malformed_json_names_file_and_line(tmp_path):
 
 
 def test_unknown_form_lists_keys_and_accepted_forms(tmp_path):
-    with pytest.raises(DatasetFormatError, match=r"x\.json:3: record with keys \['question'\].*Alpaca"):
+    with pytest.raises(
+        DatasetFormatError, match=r"x\.json:3: record with keys \['question'\].*Alpaca"
+    ):
         normalise_record({"question": "?"}, "x.json", 3)
 
 

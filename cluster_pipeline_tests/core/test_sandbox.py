@@ -20,7 +20,9 @@ def test_an_infinite_loop_is_killed_at_the_timeout():
 
 
 def test_a_fork_bomb_is_contained():
-    program = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    program = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     r = run_python(program, timeout_s=2.0)
     assert not r.passed
     # Nothing of it is left running.
@@ -36,8 +38,10 @@ def test_filling_memory_hits_the_limit():
 def test_files_outside_the_sandbox_cannot_be_deleted_or_written(tmp_path):
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
-    program = (f"import os, shutil\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
-               f"open({str(tmp_path / 'new.txt')!r}, 'w').write('x')\n")
+    program = (
+        f"import os, shutil\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+        f"open({str(tmp_path / 'new.txt')!r}, 'w').write('x')\n"
+    )
     r = run_python(program)
     assert not r.passed
     assert victim.read_text() == "keep me" and not (tmp_path / "new.txt").exists()
@@ -45,8 +49,10 @@ def test_files_outside_the_sandbox_cannot_be_deleted_or_written(tmp_path):
 
 def test_the_environment_is_stripped(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "secret-value")
-    r = run_python("import os, sys\nassert 'HF_TOKEN' not in os.environ, dict(os.environ)\n"
-                   "assert 'secret-value' not in repr(os.environ)\n")
+    r = run_python(
+        "import os, sys\nassert 'HF_TOKEN' not in os.environ, dict(os.environ)\n"
+        "assert 'secret-value' not in repr(os.environ)\n"
+    )
     assert r.passed, r.detail
 
 

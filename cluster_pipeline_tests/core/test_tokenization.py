@@ -12,14 +12,15 @@ from cluster_pipeline_tests.helpers import build_tokenizer
 
 
 def _response_ids(sample):
-    return [t for t, lab in zip(sample.input_ids, sample.labels) if lab != IGNORE_INDEX]
+    pairs = zip(sample.input_ids, sample.labels, strict=True)
+    return [t for t, lab in pairs if lab != IGNORE_INDEX]
 
 
 def test_chat_template_masks_exactly_the_assistant_turn(tiny_tokenizer):
     s = encode_sample(tiny_tokenizer, "Be brief.", "Add 3 and 4.", "The sum is 7.", 256)
     # The masked span decodes to the answer plus the template's end-of-turn marker.
     assert tiny_tokenizer.decode(_response_ids(s)) == "The sum is 7.<|im_end|>\n"
-    prompt_part = [t for t, lab in zip(s.input_ids, s.labels) if lab == IGNORE_INDEX]
+    prompt_part = [t for t, lab in zip(s.input_ids, s.labels, strict=True) if lab == IGNORE_INDEX]
     assert tiny_tokenizer.decode(prompt_part) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nAdd 3 and 4.<|im_end|>\n"
         "<|im_start|>assistant\n"

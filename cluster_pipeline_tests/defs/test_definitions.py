@@ -5,8 +5,8 @@ import pytest
 
 from cluster_pipeline.definitions import defs
 from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
-from cluster_pipeline.defs.stages import STAGES
 from cluster_pipeline.defs.resources import TorchrunResource
+from cluster_pipeline.defs.stages import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +30,31 @@ def test_definitions_load_with_the_seven_stages(definitions):
     for key in graph.get_all_asset_keys():
         assert graph.get(key).partitions_def == dg.DynamicPartitionsDefinition(name="datasets")
     # The chain is linear, in DESIGN.md order.
-    for up, down in zip(STAGES, STAGES[1:]):
+    for up, down in zip(STAGES, STAGES[1:], strict=False):
         assert dg.AssetKey(up) in graph.get(dg.AssetKey(down)).parent_keys
 
 
 def test_checks_jobs_and_sensor(definitions):
     graph = definitions.resolve_asset_graph()
     checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
-    assert checks == {("balanced_clusters", "capacity"), ("shard_manifests", "equal_shards"),
-                      ("shard_manifests", "coverage"), ("shard_manifests", "weights")}
+    assert checks == {
+        ("balanced_clusters", "capacity"),
+        ("shard_manifests", "equal_shards"),
+        ("shard_manifests", "coverage"),
+        ("shard_manifests", "weights"),
+    }
     main = definitions.resolve_job_def("main_job")
     assert main.executor_def.name == "multiprocess"
     assert set(CPU_QUICK_CONFIG["ops"]) <= set(STAGES)
-    assert sorted(s.name for s in definitions.sensors) == ["dataset_folders_sensor", "selection_automation_sensor"]
+    assert sorted(s.name for s in definitions.sensors) == [
+        "dataset_folders_sensor",
+        "selection_automation_sensor",
+    ]
     assert [s.name for s in definitions.schedules] == ["nightly_selection_refresh"]
     graph = definitions.resolve_asset_graph()
-    conditions = {k.to_user_string(): graph.get(k).automation_condition for k in graph.get_all_asset_keys()}
+    conditions = {
+        k.to_user_string(): graph.get(k).automation_condition for k in graph.get_all_asset_keys()
+    }
     # The selection chain follows its parents; training and evaluation run only on request.
     assert all(conditions[a] is not None for a in STAGES[1:5])
     assert conditions["trained_checkpoint"] is None and conditions["eval_report"] is None
@@ -60,31 +69,46 @@ def test_main_job_default_config_is_valid(definitions):
 
 def test_torchrun_command_lines():
     single = TorchrunResource().command("m.x", 2, ["--config", "c.json"])
-    assert single[1:] == ["-m", "cluster_pipeline.training.launch", "--standalone", "--nproc_per_node=2",
-                          "-m", "m.x", "--config", "c.json"]
-    multi = TorchrunResource(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400").command("m.x", 4, [])
+    assert single[1:] == [
+        "-m",
+        "cluster_pipeline.training.launch",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "m.x",
+        "--config",
+        "c.json",
+    ]
+    multi = TorchrunResource(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400").command(
+        "m.x", 4, []
+    )
     assert "--nnodes=2" in multi and "--node_rank=1" in multi
     assert "--rdzv_endpoint=10.0.0.1:29400" in multi and "--standalone" not in multi
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         TorchrunResource(nnodes=2).command("m.x", 1, [])
 
 
-@pytest.mark.parametrize(("cls", "kwargs", "message"), [
-    ("PeripheralSubsetsConfig", {"ratio": 1.5}, "ratio"),
-    ("PeripheralSubsetsConfig", {"selector": "best"}, "'peripheral', 'core'"),
-    ("BalancedClustersConfig", {"alpha": 0.5}, "alpha"),
-    ("TrainedCheckpointConfig", {"learning_rate": 0.0}, "learning_rate"),
-    ("EvalReportConfig", {"humaneval_problems": 500}, "humaneval_problems"),
-])
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "message"),
+    [
+        ("PeripheralSubsetsConfig", {"ratio": 1.5}, "ratio"),
+        ("PeripheralSubsetsConfig", {"selector": "best"}, "'peripheral', 'core'"),
+        ("BalancedClustersConfig", {"alpha": 0.5}, "alpha"),
+        ("TrainedCheckpointConfig", {"learning_rate": 0.0}, "learning_rate"),
+        ("EvalReportConfig", {"humaneval_problems": 500}, "humaneval_problems"),
+    ],
+)
 def test_run_config_errors_name_the_knob(cls, kwargs, message):
     import importlib
 
     import pydantic
 
-    module = {"PeripheralSubsetsConfig": "peripheral_subsets",
-              "BalancedClustersConfig": "balanced_clusters",
-              "TrainedCheckpointConfig": "trained_checkpoint",
-              "EvalReportConfig": "eval_report"}[cls]
+    module = {
+        "PeripheralSubsetsConfig": "peripheral_subsets",
+        "BalancedClustersConfig": "balanced_clusters",
+        "TrainedCheckpointConfig": "trained_checkpoint",
+        "EvalReportConfig": "eval_report",
+    }[cls]
     config_cls = getattr(importlib.import_module(f"cluster_pipeline.defs.assets.{module}"), cls)
     with pytest.raises(pydantic.ValidationError, match=message):
         config_cls(**kwargs)

@@ -54,9 +54,22 @@ def test_sensor_adds_new_dataset_folders_and_deletes_nothing(tmp_path):
 def test_datasets_cli_refuses_an_unknown_dataset(tmp_path):
     env = {"DAGSTER_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     (tmp_path / "data" / "raw").mkdir(parents=True)
-    out = subprocess.run([sys.executable, "-m", "cluster_pipeline.cli", "datasets", "sync", "--require",
-                          "nosuch", "--data-dir", str(tmp_path / "data")],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster_pipeline.cli",
+            "datasets",
+            "sync",
+            "--require",
+            "nosuch",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert out.returncode == 1
     assert "dataset 'nosuch' not found: no folder" in out.stderr and "python_stdlib" in out.stderr
 
@@ -69,11 +82,17 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
         instance.add_dynamic_partitions(DATASETS, ["tiny", "python_stdlib"])
         # Never materialized: both datasets count as changed.
         assert set(changed_datasets(instance, storage)) == {"tiny", "python_stdlib"}
-        assert dg.materialize([*ASSETS, sample_lineage], partition_key="tiny", instance=instance,
-                              resources=res, run_config=RUN_CONFIG).success
+        assert dg.materialize(
+            [*ASSETS, sample_lineage],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            run_config=RUN_CONFIG,
+        ).success
         assert set(changed_datasets(instance, storage)) == {"python_stdlib"}
-        requests = nightly_selection_refresh(dg.build_schedule_context(
-            instance=instance, resources={"storage": storage}))
+        requests = nightly_selection_refresh(
+            dg.build_schedule_context(instance=instance, resources={"storage": storage})
+        )
         assert isinstance(requests, list)
         assert [r.partition_key for r in requests] == ["python_stdlib"]
         write_jsonl(tiny_data_dir / "raw" / "tiny" / "more.jsonl", tiny_records(2))
@@ -102,21 +121,43 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
         subsets_v0 = int(meta(instance, "peripheral_subsets")["table_version"])
         shard_dir = Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent
         cfg = {"ops": {"peripheral_subsets": {"config": {"ratio": 0.25}}}}
-        assert dg.materialize([ASSETS[3], ASSETS[4]], partition_key="tiny", instance=instance,
-                              resources=res, run_config=cfg).success
+        assert dg.materialize(
+            [ASSETS[3], ASSETS[4]],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            run_config=cfg,
+        ).success
         subsets_v1 = int(meta(instance, "peripheral_subsets")["table_version"])
         assert subsets_v1 == subsets_v0 + 1
-        assert shard_dir.exists() and Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent != shard_dir
+        assert (
+            shard_dir.exists()
+            and Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent != shard_dir
+        )
         info = json.loads((Path(str(ckpt)) / "training_info.json").read_text())
         from cluster_pipeline.core.sharding import ShardManifest
 
-        assert [ShardManifest.read(Path(m["path"])).sha256 for m in info["manifests"]] == \
-            [m["sha256"] for m in info["manifests"]]
-        lineage_main(["tiny", "--diff", str(subsets_v0), str(subsets_v1), "--data-dir",
-                      str(tiny_data_dir), "--json"])
+        assert [ShardManifest.read(Path(m["path"])).sha256 for m in info["manifests"]] == [
+            m["sha256"] for m in info["manifests"]
+        ]
+        lineage_main(
+            [
+                "tiny",
+                "--diff",
+                str(subsets_v0),
+                str(subsets_v1),
+                "--data-dir",
+                str(tiny_data_dir),
+                "--json",
+            ]
+        )
         diff = json.loads(capsys.readouterr().out)
-        old = pl.read_delta(str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v0)
-        new = pl.read_delta(str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v1)
+        old = pl.read_delta(
+            str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v0
+        )
+        new = pl.read_delta(
+            str(tiny_data_dir / "tables/peripheral_subsets/tiny"), version=subsets_v1
+        )
         assert len(diff["left"]) == int(old["selected"].sum()) - int(new["selected"].sum()) > 0
         assert diff["entered"] == []
 
@@ -130,13 +171,21 @@ def test_automation_follows_parents_but_never_trains(tiny_data_dir):
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         first = dg.evaluate_automation_conditions(defs=definitions, instance=instance)
         assert first.total_requested == 0  # nothing upstream yet
-        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
-                              resources={"storage": StorageResource(data_dir=str(tiny_data_dir))}).success
-        result = dg.evaluate_automation_conditions(defs=definitions, instance=instance,
-                                                   cursor=first.cursor)
-        requested = {k.to_user_string(): result.get_requested_partitions(k)
-                     for k in (dg.AssetKey(a) for a in ("proxy_embeddings", "trained_checkpoint",
-                                                        "eval_report"))}
+        assert dg.materialize(
+            [raw_instructions],
+            partition_key="tiny",
+            instance=instance,
+            resources={"storage": StorageResource(data_dir=str(tiny_data_dir))},
+        ).success
+        result = dg.evaluate_automation_conditions(
+            defs=definitions, instance=instance, cursor=first.cursor
+        )
+        requested = {
+            k.to_user_string(): result.get_requested_partitions(k)
+            for k in (
+                dg.AssetKey(a) for a in ("proxy_embeddings", "trained_checkpoint", "eval_report")
+            )
+        }
         assert requested["proxy_embeddings"] == {"tiny"}
         assert requested["trained_checkpoint"] == set() and requested["eval_report"] == set()
 
@@ -147,17 +196,26 @@ def test_a_bad_eval_json_fails_raw_instructions_and_keeps_earlier_tables(tiny_da
     res = {"storage": StorageResource(data_dir=str(tiny_data_dir))}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
-                              resources=res).success
+        assert dg.materialize(
+            [raw_instructions], partition_key="tiny", instance=instance, resources=res
+        ).success
         before = read(instance, "raw_instructions")
         (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text('{"benchmarks": ["gsm8k"]}')
-        failed = dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
-                                resources=res, raise_on_error=False)
+        failed = dg.materialize(
+            [raw_instructions],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            raise_on_error=False,
+        )
         assert not failed.success
         assert "eval.json: unknown benchmarks ['gsm8k']" in step_failure(failed)[0]
         assert read(instance, "raw_instructions").equals(before)
-        (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text('{"benchmarks": ["mmlu_medical"]}')
-        assert dg.materialize([raw_instructions], partition_key="tiny", instance=instance,
-                              resources=res).success
+        (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text(
+            '{"benchmarks": ["mmlu_medical"]}'
+        )
+        assert dg.materialize(
+            [raw_instructions], partition_key="tiny", instance=instance, resources=res
+        ).success
         assert meta(instance, "raw_instructions")["benchmarks"] == ["mmlu_medical"]
         assert read(instance, "raw_instructions").height == 60

@@ -31,9 +31,13 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        result = dg.materialize(ASSETS, partition_key="tiny", instance=instance,
-                                resources=resources(tiny_data_dir, tiny_model_dir),
-                                run_config=RUN_CONFIG)
+        result = dg.materialize(
+            ASSETS,
+            partition_key="tiny",
+            instance=instance,
+            resources=resources(tiny_data_dir, tiny_model_dir),
+            run_config=RUN_CONFIG,
+        )
         assert result.success
 
         raw = read(instance, "raw_instructions")
@@ -91,16 +95,23 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model_dir):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        ok = dg.materialize(ASSETS[:5], partition_key="tiny", instance=instance,
-                            resources=resources(tiny_data_dir, tiny_model_dir),
-                            run_config=run_config_for(ASSETS[:5]))
+        ok = dg.materialize(
+            ASSETS[:5],
+            partition_key="tiny",
+            instance=instance,
+            resources=resources(tiny_data_dir, tiny_model_dir),
+            run_config=run_config_for(ASSETS[:5]),
+        )
         assert ok.success
         before = read(instance, "shard_manifests")
         path = Path(meta(instance, "shard_manifests")["manifest_paths"][1])
         path.write_text(path.read_text().replace('"weight"', '"weight_typo"', 1))
         failed = dg.materialize(
-            [ASSETS[5]], partition_key="tiny", instance=instance,
-            resources=resources(tiny_data_dir, tiny_model_dir), raise_on_error=False,
+            [ASSETS[5]],
+            partition_key="tiny",
+            instance=instance,
+            resources=resources(tiny_data_dir, tiny_model_dir),
+            raise_on_error=False,
             run_config=run_config_for([ASSETS[5]]),
         )
         assert not failed.success
@@ -113,8 +124,9 @@ def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model
 
 
 @pytest.mark.slow
-def test_downstream_stages_read_the_versions_their_inputs_were_built_from(tiny_data_dir,
-                                                                          tiny_model_dir):
+def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
+    tiny_data_dir, tiny_model_dir
+):
     """Re-running raw_instructions (another split: other training samples) and
     proxy_embeddings after the chain was built must not leak into later stages run alone:
     the PCA map reads the embeddings that were clustered, and training reads the
@@ -123,26 +135,45 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(tiny_d
     res = resources(tiny_data_dir, tiny_model_dir)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize(ASSETS[:5], partition_key="tiny", instance=instance, resources=res,
-                              run_config=run_config_for(ASSETS[:5])).success
+        assert dg.materialize(
+            ASSETS[:5],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            run_config=run_config_for(ASSETS[:5]),
+        ).success
         built_from = meta(instance, "shard_manifests")
         first_raw = read(instance, "raw_instructions")
-        assert dg.materialize(ASSETS[:2], partition_key="tiny", instance=instance, resources=res,
-                              run_config=run_config_for(
-                                  ASSETS[:2], raw_instructions={"seed": 1})).success
+        assert dg.materialize(
+            ASSETS[:2],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            run_config=run_config_for(ASSETS[:2], raw_instructions={"seed": 1}),
+        ).success
         newest_raw = read(instance, "raw_instructions")
-        assert set(first_raw.filter(pl.col("split") == "train")["sample_id"]) != \
-            set(newest_raw.filter(pl.col("split") == "train")["sample_id"])
+        assert set(first_raw.filter(pl.col("split") == "train")["sample_id"]) != set(
+            newest_raw.filter(pl.col("split") == "train")["sample_id"]
+        )
         assert meta(instance, "proxy_embeddings")["table_version"] == 1
 
-        assert dg.materialize(ASSETS[3:6], partition_key="tiny", instance=instance,
-                              resources=res, run_config=run_config_for(ASSETS[3:6])).success
+        assert dg.materialize(
+            ASSETS[3:6],
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            run_config=run_config_for(ASSETS[3:6]),
+        ).success
         inputs = meta(instance, "peripheral_subsets")["inputs"]
         assert inputs["proxy_embeddings"]["version"] == 0
         assert inputs["raw_instructions"]["version"] == 0
         assert meta(instance, "shard_manifests")["inputs"] == {
-            **built_from["inputs"], "peripheral_subsets": {
-                "uri": built_from["inputs"]["peripheral_subsets"]["uri"], "version": 1}}
+            **built_from["inputs"],
+            "peripheral_subsets": {
+                "uri": built_from["inputs"]["peripheral_subsets"]["uri"],
+                "version": 1,
+            },
+        }
         ckpt = Path(str(meta(instance, "trained_checkpoint")["checkpoint_path"]))
         info = json.loads((ckpt / "training_info.json").read_text())
         assert info["config"]["instructions_version"] == 0

@@ -13,10 +13,16 @@ pytestmark = pytest.mark.slow
 
 
 def _run(instance, data_dir, model_dir, **embed_cfg):
-    cfg = {"ops": {"proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16, **embed_cfg}}}}
-    result = dg.materialize([raw_instructions, proxy_embeddings], partition_key="tiny",
-                            instance=instance, resources=resources(data_dir, model_dir),
-                            run_config=cfg)
+    cfg = {
+        "ops": {"proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16, **embed_cfg}}}
+    }
+    result = dg.materialize(
+        [raw_instructions, proxy_embeddings],
+        partition_key="tiny",
+        instance=instance,
+        resources=resources(data_dir, model_dir),
+        run_config=cfg,
+    )
     assert result.success
     return result
 
@@ -40,8 +46,9 @@ def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
         _run(instance, tiny_data_dir, tiny_model_dir, recompute=True)
         assert meta(instance, "proxy_embeddings")["chunks_reused"] == 0
         t3 = read(instance, "proxy_embeddings")
-        np.testing.assert_allclose(np.stack(t3["embedding"].to_list()),
-                                   np.stack(t1["embedding"].to_list()), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.stack(t3["embedding"].to_list()), np.stack(t1["embedding"].to_list()), rtol=1e-6
+        )
 
         # Other settings make another cache entry.
         _run(instance, tiny_data_dir, tiny_model_dir, max_length=48)

@@ -19,9 +19,13 @@ pytestmark = pytest.mark.slow
 
 
 def _config(tmp_path, model_dir, table, name, **kw) -> tuple[EmbedJob, str]:
-    job = EmbedJob(settings=EmbedSettings(max_length=64, **kw), model_path=str(model_dir),
-                   instructions_uri=table.uri, instructions_version=table.version,
-                   chunk_dir=str(tmp_path / name))
+    job = EmbedJob(
+        settings=EmbedSettings(max_length=64, **kw),
+        model_path=str(model_dir),
+        instructions_uri=table.uri,
+        instructions_version=table.version,
+        chunk_dir=str(tmp_path / name),
+    )
     path = tmp_path / f"{name}.json"
     job.dump(path)
     return job, str(path)
@@ -55,10 +59,20 @@ def test_a_killed_run_resumes_with_only_the_missing_chunks(tmp_path, tiny_model_
     cut, cut_path = _config(tmp_path, tiny_model_dir, table, "cut", chunk_size=2, max_batch_size=1)
     assert torchrun("cluster_pipeline.training.embed", 1, ["--config", ref_path]).returncode == 0
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "cluster_pipeline.training.embed", "--config", cut_path]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "cluster_pipeline.training.embed",
+        "--config",
+        cut_path,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     n_chunks = -(-len(ids) // 2)
     deadline = time.time() + 120
     while time.time() < deadline and not chunk_path(tmp_path / "cut", 3).exists():

@@ -12,8 +12,15 @@ import pytest
 from cluster_pipeline_tests.helpers import train_job
 
 pytestmark = pytest.mark.slow
-LAUNCH = [sys.executable, "-m", "cluster_pipeline.training.launch", "--standalone",
-          "--nproc_per_node=2", "-m", "cluster_pipeline.training.train"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "cluster_pipeline.training.launch",
+    "--standalone",
+    "--nproc_per_node=2",
+    "-m",
+    "cluster_pipeline.training.train",
+]
 
 
 def _children(pid: int) -> set[int]:
@@ -39,9 +46,20 @@ def _wait_for_ranks(proc, n=2, timeout=60) -> set[int]:
     deadline = time.time() + timeout
     while time.time() < deadline:
         kids = _children(proc.pid)
-        ranks = {k for k in kids if "cluster_pipeline.training.train" in
-                 Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="ignore").replace("\0", " ")
-                 and k != proc.pid} if kids else set()
+        ranks = (
+            {
+                k
+                for k in kids
+                if "cluster_pipeline.training.train"
+                in Path(f"/proc/{k}/cmdline")
+                .read_bytes()
+                .decode(errors="ignore")
+                .replace("\0", " ")
+                and k != proc.pid
+            }
+            if kids
+            else set()
+        )
         if len(ranks) >= n:
             return ranks
         time.sleep(0.2)
@@ -53,21 +71,30 @@ def test_an_exception_on_one_rank_ends_the_launch_quickly(tmp_path, tiny_model_d
     manifest = Path(cfg.manifests[1])
     manifest.write_text(manifest.read_text().replace('"rank": 1', '"rank": 1, "bogus": 0'))
     start = time.time()
-    done = subprocess.run([*LAUNCH, "--config", str(tmp_path / "train.json")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*LAUNCH, "--config", str(tmp_path / "train.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and time.time() - start < 60
     assert "unexpected keyword argument 'bogus'" in done.stderr
 
 
 @pytest.mark.parametrize("victim", ["launcher", "parent_of_launcher"])
 def test_no_rank_survives_a_killed_launcher_or_step(tmp_path, tiny_model_dir, victim):
-    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1,
-                    epochs=50)
+    cfg, _ = train_job(
+        tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1, epochs=50
+    )
     cmd = [*LAUNCH, "--config", str(tmp_path / "train.json")]
     if victim == "parent_of_launcher":
         # Stands in for the Dagster step process: it starts the launcher, then is SIGKILLed.
-        cmd = [sys.executable, "-c",
-               "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)", *cmd]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)",
+            *cmd,
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = _wait_for_ranks(proc)
     everyone = _children(proc.pid)
@@ -91,15 +118,18 @@ def _free_port() -> int:
 def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir):
     from cluster_pipeline.defs.resources import TorchrunResource
 
-    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, per_device_batch_size=2,
-                    max_steps=1)
+    cfg, _ = train_job(
+        tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, per_device_batch_size=2, max_steps=1
+    )
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
     for node_rank in (0, 1):
-        cmd = TorchrunResource(nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint,
-                               rdzv_id="test2nodes").command(
-            "cluster_pipeline.training.train", 1, ["--config", str(tmp_path / "train.json")])
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = TorchrunResource(
+            nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id="test2nodes"
+        ).command("cluster_pipeline.training.train", 1, ["--config", str(tmp_path / "train.json")])
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
     info = (Path(cfg.output_dir) / "training_info.json").read_text()
@@ -109,8 +139,11 @@ def test_two_nodes_with_c10d_rendezvous_train_one_step(tmp_path, tiny_model_dir)
 def test_sigint_to_the_launcher_stops_every_rank(tmp_path, tiny_model_dir):
     """What Dagster's Pipes client sends when a run is terminated."""
     train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=20, per_device_batch_size=1, epochs=50)
-    proc = subprocess.Popen([*LAUNCH, "--config", str(tmp_path / "train.json")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*LAUNCH, "--config", str(tmp_path / "train.json")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait_for_ranks(proc)
     everyone = _children(proc.pid)
     proc.send_signal(signal.SIGINT)

@@ -30,9 +30,18 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir):
     # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
-    cfg, table = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2,
-                        per_device_batch_size=2, max_steps=1, learning_rate=1e-3,
-                        warmup_ratio=0.0, schedule="constant", max_grad_norm=1e9)
+    cfg, table = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.5, 0.5],
+        per_rank=2,
+        per_device_batch_size=2,
+        max_steps=1,
+        learning_rate=1e-3,
+        warmup_ratio=0.0,
+        schedule="constant",
+        max_grad_norm=1e9,
+    )
     done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
     assert done.returncode == 0, done.stderr[-3000:]
     ddp = _weights(Path(cfg.output_dir))
@@ -49,14 +58,19 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
     for path in cfg.manifests:
         m = ShardManifest.read(Path(path))
         sub = rows.filter(pl.col("sample_id").is_in(m.sample_ids))
-        sub = sub.join(pl.DataFrame({"sample_id": list(m.sample_ids)}).with_row_index("i"),
-                       on="sample_id").sort("i")
-        enc = [encode_sample(tok, s, p, r, 64) for s, p, r in zip(sub["system"], sub["prompt"], sub["response"])]
+        sub = sub.join(
+            pl.DataFrame({"sample_id": list(m.sample_ids)}).with_row_index("i"), on="sample_id"
+        ).sort("i")
+        enc = [
+            encode_sample(tok, s, p, r, 64)
+            for s, p, r in zip(sub["system"], sub["prompt"], sub["response"], strict=True)
+        ]
         batch = collate(enc, tok.pad_token_id)
         model.zero_grad()
-        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        model(
+            **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
+        ).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     for n, p in model.named_parameters():
         p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
@@ -65,8 +79,9 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
         torch.testing.assert_close(ddp[n], p.detach(), rtol=1e-5, atol=1e-5)
     # And it is not the unweighted average (the test can tell the two apart).
     unweighted = {n: 0.5 * grads[0][n] + 0.5 * grads[1][n] for n in grads[0]}
-    assert any(not torch.allclose(unweighted[n], 0.75 * grads[0][n] + 0.25 * grads[1][n])
-               for n in grads[0])
+    assert any(
+        not torch.allclose(unweighted[n], 0.75 * grads[0][n] + 0.25 * grads[1][n]) for n in grads[0]
+    )
 
 
 @pytest.mark.slow
@@ -80,10 +95,20 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
     cut_dir = tmp_path / "cut"
     cut_dir.mkdir()
     cut_cfg, _ = train_job(cut_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", TRAIN, "--config", str(cut_dir / "train.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        TRAIN,
+        "--config",
+        str(cut_dir / "train.json"),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     ckpts = Path(cut_cfg.output_dir + ".checkpoints")
     deadline = time.time() + 120
     while time.time() < deadline and not (ckpts / "step_0000004" / "training_state.pt").exists():
@@ -98,14 +123,22 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
     ref, cut = _weights(Path(ref_cfg.output_dir)), _weights(Path(cut_cfg.output_dir))
     for name in ref:
         torch.testing.assert_close(cut[name], ref[name], rtol=1e-6, atol=1e-7)
-    ref_loss = [json.loads(x)["loss"] for x in Path(ref_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()]
-    cut_loss = [json.loads(x)["loss"] for x in Path(cut_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()]
+    ref_loss = [
+        json.loads(x)["loss"]
+        for x in Path(ref_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    ]
+    cut_loss = [
+        json.loads(x)["loss"]
+        for x in Path(cut_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    ]
     np.testing.assert_allclose(cut_loss, ref_loss, rtol=1e-6)
 
 
 @pytest.mark.slow
 def test_unequal_shards_are_refused_before_training(tmp_path, tiny_model_dir):
-    records_cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1)
+    records_cfg, _ = train_job(
+        tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1
+    )
     path = Path(records_cfg.manifests[1])
     m = ShardManifest.read(path)
     ShardManifest(m.dataset, 1, 2, m.selector, m.weight, 0, m.sample_ids[:2]).write(path.parent)
@@ -127,16 +160,25 @@ def test_schedule_and_plan():
     assert [len(g) for _, g in plan[:3]] == [2, 2, 1]
 
 
-@pytest.mark.parametrize(("field", "value", "match"), [
-    ("learning_rate", 0.0, "learning_rate"),
-    ("schedule", "step", "schedule"),
-    ("per_device_batch_size", 0, "per_device_batch_size"),
-    ("manifests", [], "manifests"),
-    ("lerning_rate", 1e-4, "lerning_rate"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("learning_rate", 0.0, "learning_rate"),
+        ("schedule", "step", "schedule"),
+        ("per_device_batch_size", 0, "per_device_batch_size"),
+        ("manifests", [], "manifests"),
+        ("lerning_rate", 1e-4, "lerning_rate"),
+    ],
+)
 def test_config_errors_name_the_option(field, value, match):
-    job = {"settings": {}, "model_path": "m", "instructions_uri": "u", "instructions_version": 0,
-           "manifests": ["a"], "output_dir": "o"}
+    job = {
+        "settings": {},
+        "model_path": "m",
+        "instructions_uri": "u",
+        "instructions_version": 0,
+        "manifests": ["a"],
+        "output_dir": "o",
+    }
     if field in job:
         job[field] = value
     else:

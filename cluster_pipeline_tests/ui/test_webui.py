@@ -19,8 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "test_artifacts" / "ui"
 # Without the background-networking flags chromium keeps dialing out on this closed network.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +40,11 @@ def _free_port() -> int:
 
 
 def _graphql(url: str, query: str) -> dict:
-    req = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/graphql",
+        data=json.dumps({"query": query}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())["data"]
 
@@ -47,15 +58,29 @@ def webserver(tmp_path, tiny_model_dir):
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     home.mkdir()
     (home / "dagster.yaml").write_text("")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "CLUSTER_PIPELINE_DATA_DIR": str(data),
-           "CLUSTER_PIPELINE_BASE_MODEL": str(tiny_model_dir)}
-    subprocess.run([sys.executable, "-m", "cluster_pipeline.cli", "datasets", "sync"], env=env,
-                   check=True, cwd=ROOT, capture_output=True)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "CLUSTER_PIPELINE_DATA_DIR": str(data),
+        "CLUSTER_PIPELINE_BASE_MODEL": str(tiny_model_dir),
+    }
+    subprocess.run(
+        [sys.executable, "-m", "cluster_pipeline.cli", "datasets", "sync"],
+        env=env,
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
     port = _free_port()
     dagster = str(Path(sys.executable).parent / "dagster")
-    proc = subprocess.Popen([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p",
-                             str(port)], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -92,8 +117,9 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
                 skip.click()
             page.screenshot(path=ARTIFACTS / "01_asset_graph.png")
 
-            page.goto(f"{url}/locations/cluster_pipeline/jobs/selection_job",
-                      wait_until="networkidle")
+            page.goto(
+                f"{url}/locations/cluster_pipeline/jobs/selection_job", wait_until="networkidle"
+            )
             page.get_by_role("button", name="Materialize all…").click()
             page.get_by_text("Select a partition or create one").click()
             page.locator("span", has_text="tiny").first.click()
@@ -103,8 +129,11 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
 
             deadline, status = time.time() + 300, None
             while time.time() < deadline:
-                runs = _graphql(url, "{ runsOrError { ... on Runs { results { runId status "
-                                     "tags { key value } } } } }")["runsOrError"]["results"]
+                runs = _graphql(
+                    url,
+                    "{ runsOrError { ... on Runs { results { runId status "
+                    "tags { key value } } } } }",
+                )["runsOrError"]["results"]
                 if runs and runs[0]["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
                     status = runs[0]
                     break
@@ -120,8 +149,10 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
             page.wait_for_timeout(1500)
             page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
             # Markdown metadata opens in a dialog: the plot must render as an image there.
-            for name, shot in (("cluster_sizes_plot", "05_cluster_sizes.png"),
-                               ("pca_map", "06_pca_map.png")):
+            for name, shot in (
+                ("cluster_sizes_plot", "05_cluster_sizes.png"),
+                ("pca_map", "06_pca_map.png"),
+            ):
                 row = page.locator("tr").filter(has=page.get_by_text(name, exact=True)).first
                 row.scroll_into_view_if_needed()
                 row.get_by_text("[Show Markdown]").click()

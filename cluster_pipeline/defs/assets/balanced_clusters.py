@@ -17,10 +17,17 @@ from cluster_pipeline.defs.stages import stage_asset
 
 
 class BalancedClustersConfig(dg.Config):
-    num_clusters: int = Field(default=2, ge=1, description="K: clusters = data-parallel ranks "
-                              "(GPUs) that will train, one cluster per rank.")
-    alpha: float = Field(default=1.0, ge=1.0, description="Capacity slack: no cluster exceeds "
-                         "ceil(alpha * N / K). 1.0 = exact balance.")
+    num_clusters: int = Field(
+        default=2,
+        ge=1,
+        description="K: clusters = data-parallel ranks "
+        "(GPUs) that will train, one cluster per rank.",
+    )
+    alpha: float = Field(
+        default=1.0,
+        ge=1.0,
+        description="Capacity slack: no cluster exceeds ceil(alpha * N / K). 1.0 = exact balance.",
+    )
     seed: int = Field(default=0, description="k-means seed.")
     niter: int = Field(default=25, ge=1, description="k-means iterations.")
 
@@ -31,7 +38,9 @@ class BalancedClustersConfig(dg.Config):
     kinds={"faiss", "deltalake"},
     check_specs=[
         dg.AssetCheckSpec(
-            "capacity", asset="balanced_clusters", blocking=True,
+            "capacity",
+            asset="balanced_clusters",
+            blocking=True,
             description="Every sample in exactly one cluster, sizes sum to N, none above the cap.",
         )
     ],
@@ -67,10 +76,12 @@ def balanced_clusters(
     seconds = time.perf_counter() - start
     context.log.info(
         f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "
-        f"{result.kmeans_sizes.tolist()}), cap {result.cap}, cost +{100 * result.cost_increase:.2f}%"
+        f"{result.kmeans_sizes.tolist()}), cap {result.cap}, "
+        f"cost +{100 * result.cost_increase:.2f}%"
     )
-    passed, description = check_capacity(frame["sample_id"], frame["cluster"].to_numpy(),
-                                         config.num_clusters, len(x), result.cap)
+    passed, description = check_capacity(
+        frame["sample_id"], frame["cluster"].to_numpy(), config.num_clusters, len(x), result.cap
+    )
     record = BalancedClustersRecord(
         table=table,
         centroids=centroids_table,
@@ -91,13 +102,19 @@ def balanced_clusters(
     map_png = plots.pca_map(x, result.labels)
     return dg.MaterializeResult(
         check_results=[
-            dg.AssetCheckResult(check_name="capacity", passed=passed, description=description,
-                                severity=dg.AssetCheckSeverity.ERROR)
+            dg.AssetCheckResult(
+                check_name="capacity",
+                passed=passed,
+                description=description,
+                severity=dg.AssetCheckSeverity.ERROR,
+            )
         ],
         metadata={
             **record.to_metadata(),
             **table_display(frame),
-            "cluster_sizes_plot": dg.MetadataValue.md(plots.markdown_image(sizes_png, "cluster sizes")),
+            "cluster_sizes_plot": dg.MetadataValue.md(
+                plots.markdown_image(sizes_png, "cluster sizes")
+            ),
             "pca_map": dg.MetadataValue.md(plots.markdown_image(map_png, "PCA map")),
         },
     )

@@ -28,12 +28,16 @@ class EvalReportConfig(dg.Config, EvalSettings):
     """The evaluation knobs (:class:`~cluster_pipeline.core.evaluation.EvalSettings`) plus which
     models the report compares."""
 
-    compare_checkpoints: bool = Field(default=True, description="Also evaluate every other "
-                                      "checkpoint of this dataset (other selectors, seeds).")
+    compare_checkpoints: bool = Field(
+        default=True,
+        description="Also evaluate every other "
+        "checkpoint of this dataset (other selectors, seeds).",
+    )
 
 
-@stage_asset("training", deps=["trained_checkpoint", "raw_instructions"],
-             kinds={"pytorch", "markdown"})
+@stage_asset(
+    "training", deps=["trained_checkpoint", "raw_instructions"], kinds={"pytorch", "markdown"}
+)
 def eval_report(
     context: dg.AssetExecutionContext,
     config: EvalReportConfig,
@@ -52,24 +56,34 @@ def eval_report(
     instructions = trained.inputs["raw_instructions"]
     heldout = instructions.read().filter(pl.col("split") == "heldout")
     if heldout.height == 0:
-        raise dg.Failure(f"{dataset}: the held-out split is empty; materialize raw_instructions "
-                         "with heldout_fraction > 0")
+        raise dg.Failure(
+            f"{dataset}: the held-out split is empty; materialize raw_instructions "
+            "with heldout_fraction > 0"
+        )
     settings = settings_of(config, EvalSettings)
     try:
-        names = settings.benchmarks if settings.benchmarks is not None else \
-            dataset_benchmarks(dataset, layout.raw_dir)
+        names = (
+            settings.benchmarks
+            if settings.benchmarks is not None
+            else dataset_benchmarks(dataset, layout.raw_dir)
+        )
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e}") from e
-    folders = ([Path(settings.eval_data_dir)] if settings.eval_data_dir
-               else [layout.eval_dir, SHARED_EVAL_DIR])
+    folders = (
+        [Path(settings.eval_data_dir)]
+        if settings.eval_data_dir
+        else [layout.eval_dir, SHARED_EVAL_DIR]
+    )
     suites, skipped = load_suites(names, settings, folders)
     for name, reason in skipped.items():
         context.log.info(f"benchmark {name} skipped: {reason}")
 
     current = read_checkpoint(trained.checkpoint_path)
     if current is None:
-        raise dg.Failure(f"{trained.checkpoint_path} is not a finished checkpoint; materialize "
-                         "trained_checkpoint again")
+        raise dg.Failure(
+            f"{trained.checkpoint_path} is not a finished checkpoint; materialize "
+            "trained_checkpoint again"
+        )
     checkpoints = list_checkpoints(current.path.parent) if config.compare_checkpoints else []
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
@@ -78,14 +92,21 @@ def eval_report(
         entries,
         lambda path: evaluate_model(path, heldout, suites, settings, context.log.info),
         JsonCache(layout.eval_cache_dir(dataset)),
-        settings_key=stable_hash(settings.model_dump(), instructions.version, sorted(suites),
-                                 length=12),
+        settings_key=stable_hash(
+            settings.model_dump(), instructions.version, sorted(suites), length=12
+        ),
         current=str(current.path),
         log=context.log.info,
     )
-    report = render_report(dataset, results, heldout.height, heldout_tokens,
-                           {k: len(v) for k, v in suites.items()}, skipped,
-                           trained.selection_seconds)
+    report = render_report(
+        dataset,
+        results,
+        heldout.height,
+        heldout_tokens,
+        {k: len(v) for k, v in suites.items()},
+        skipped,
+        trained.selection_seconds,
+    )
     path = report.write(layout.reports_dir(dataset))
     context.log.info(report.summary)
     record = EvalReportRecord(
@@ -96,11 +117,17 @@ def eval_report(
         full_training_estimate_seconds=round(report.full_training_estimate_seconds, 2),
         data_fraction=report.data_fraction,
         base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
-        tuned={m: round(float(v), 5)
-               for m, v in next(r for r in results if r.current).metrics.items()},
+        tuned={
+            m: round(float(v), 5) for m, v in next(r for r in results if r.current).metrics.items()
+        },
     )
-    return dg.MaterializeResult(metadata={
-        **record.to_metadata(),
-        "report": dg.MetadataValue.md(report.summary + "\n" + "\n".join(
-            plots.markdown_image(p, n) for n, p in report.pngs.items())),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            "report": dg.MetadataValue.md(
+                report.summary
+                + "\n"
+                + "\n".join(plots.markdown_image(p, n) for n, p in report.pngs.items())
+            ),
+        }
+    )

@@ -10,7 +10,11 @@ from cluster_pipeline.core import plots
 from cluster_pipeline.core.selection import Selector, per_cluster_summary, select
 from cluster_pipeline.core.tables import markdown_preview, rows_for, write_table
 from cluster_pipeline.defs.metadata import table_display
-from cluster_pipeline.defs.records import BalancedClustersRecord, PeripheralSubsetsRecord, read_record
+from cluster_pipeline.defs.records import (
+    BalancedClustersRecord,
+    PeripheralSubsetsRecord,
+    read_record,
+)
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 
@@ -22,14 +26,20 @@ class PeripheralSubsetsConfig(dg.Config):
         "within cluster; uniform = oversample every cluster to the largest; random_global = "
         "same budget without clusters; full = all data.",
     )
-    ratio: float = Field(default=0.5, gt=0.0, le=1.0, description="Selection ratio r: every "
-                         "cluster keeps floor(r * m) samples, m = smallest cluster size.")
+    ratio: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Selection ratio r: every "
+        "cluster keeps floor(r * m) samples, m = smallest cluster size.",
+    )
     seed: int = Field(default=0, description="Seed of the random selectors.")
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
-@stage_asset("selection", deps=["balanced_clusters", "proxy_embeddings"],
-             kinds={"polars", "deltalake"})
+@stage_asset(
+    "selection", deps=["balanced_clusters", "proxy_embeddings"], kinds={"polars", "deltalake"}
+)
 def peripheral_subsets(
     context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -43,8 +53,14 @@ def peripheral_subsets(
     clusters = read_record(context, BalancedClustersRecord)
     frame = clusters.table.read(["sample_id", "cluster", "sq_distance"])
     try:
-        result = select(frame["cluster"].to_numpy(), frame["sq_distance"].to_numpy(),
-                        clusters.num_clusters, config.selector, config.ratio, config.seed)
+        result = select(
+            frame["cluster"].to_numpy(),
+            frame["sq_distance"].to_numpy(),
+            clusters.num_clusters,
+            config.selector,
+            config.ratio,
+            config.seed,
+        )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
     frame = frame.with_columns(
@@ -73,15 +89,20 @@ def peripheral_subsets(
         data_fraction=round(result.data_fraction, 4),
         cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
     )
-    ids, matrix = clusters.inputs["proxy_embeddings"].read_vectors("embedding_normalised",
-                                                                   keep="skip_reason")
-    map_png = plots.pca_map(rows_for(ids, matrix, frame["sample_id"]), frame["cluster"].to_numpy(),
-                            result.selected)
-    return dg.MaterializeResult(metadata={
-        **record.to_metadata(),
-        **table_display(frame.filter(pl.col("selected"))),
-        "dagster/row_count": frame.height,
-        "per_cluster_table": dg.MetadataValue.md(
-            markdown_preview(per_cluster_summary(frame), max_rows=64)),
-        "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
-    })
+    ids, matrix = clusters.inputs["proxy_embeddings"].read_vectors(
+        "embedding_normalised", keep="skip_reason"
+    )
+    map_png = plots.pca_map(
+        rows_for(ids, matrix, frame["sample_id"]), frame["cluster"].to_numpy(), result.selected
+    )
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            **table_display(frame.filter(pl.col("selected"))),
+            "dagster/row_count": frame.height,
+            "per_cluster_table": dg.MetadataValue.md(
+                markdown_preview(per_cluster_summary(frame), max_rows=64)
+            ),
+            "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
+        }
+    )

@@ -28,10 +28,16 @@ class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
     """The embedding knobs (:class:`~cluster_pipeline.training.config.EmbedSettings`) plus how
     this asset runs the pass."""
 
-    world_size: int = Field(default=1, ge=1, description="torchrun processes (data-parallel "
-                            "inference); 1 on CPU, the number of GPUs otherwise.")
-    recompute: bool = Field(default=False, description="Ignore embeddings cached for the same "
-                            "model, settings and samples.")
+    world_size: int = Field(
+        default=1,
+        ge=1,
+        description="torchrun processes (data-parallel "
+        "inference); 1 on CPU, the number of GPUs otherwise.",
+    )
+    recompute: bool = Field(
+        default=False,
+        description="Ignore embeddings cached for the same model, settings and samples.",
+    )
 
 
 @stage_asset("selection", deps=["raw_instructions"], kinds={"pytorch", "deltalake"})
@@ -52,8 +58,9 @@ def proxy_embeddings(
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
     instructions = read_record(context, RawInstructionsRecord)
-    sample_ids = read_train_split(instructions.table.uri,
-                                  instructions.table.version)["sample_id"].to_list()
+    sample_ids = read_train_split(instructions.table.uri, instructions.table.version)[
+        "sample_id"
+    ].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
     key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), sample_ids)
@@ -64,11 +71,20 @@ def proxy_embeddings(
     total = n_chunks(len(sample_ids), settings.chunk_size)
     cached = chunks_done(chunk_dir, len(sample_ids), settings.chunk_size)
     if cached < total:
-        job = EmbedJob(settings=settings, model_path=model_path,
-                       instructions_uri=instructions.table.uri,
-                       instructions_version=instructions.table.version, chunk_dir=str(chunk_dir))
-        torchrun.run(context, pipes_subprocess_client, EMBED_MODULE, config.world_size,
-                     job.dump(chunk_dir / "embed_job.json"))
+        job = EmbedJob(
+            settings=settings,
+            model_path=model_path,
+            instructions_uri=instructions.table.uri,
+            instructions_version=instructions.table.version,
+            chunk_dir=str(chunk_dir),
+        )
+        torchrun.run(
+            context,
+            pipes_subprocess_client,
+            EMBED_MODULE,
+            config.world_size,
+            job.dump(chunk_dir / "embed_job.json"),
+        )
     else:
         context.log.info(f"all {total} chunks cached under {chunk_dir}; nothing to embed")
     try:
@@ -82,8 +98,10 @@ def proxy_embeddings(
     # Timings of the pass that computed these embeddings (an earlier run's when cached).
     stats = read_pass_stats(chunk_dir)
     pass_seconds = float(stats.get("seconds", 0.0))
-    context.log.info(f"{result.embedded} embedded, {result.frame.height - result.embedded} "
-                     f"skipped in {seconds:.1f} s")
+    context.log.info(
+        f"{result.embedded} embedded, {result.frame.height - result.embedded} "
+        f"skipped in {seconds:.1f} s"
+    )
     record = ProxyEmbeddingsRecord(
         table=table,
         inputs=instructions.lineage(),
@@ -100,8 +118,12 @@ def proxy_embeddings(
         mean_loss=round(mean_of(result.frame["mean_loss"]), 4),
         base_model=model_path,
     )
-    return dg.MaterializeResult(metadata={
-        **record.to_metadata(),
-        **table_display(result.frame, ["sample_id", "n_tokens", "n_response_tokens",
-                                       "mean_loss", "skip_reason"]),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            **table_display(
+                result.frame,
+                ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"],
+            ),
+        }
+    )

@@ -17,7 +17,9 @@ from cluster_pipeline.defs.stages import stage_asset
 
 class RawInstructionsConfig(dg.Config):
     heldout_fraction: float = Field(
-        default=0.05, ge=0.0, lt=1.0,
+        default=0.05,
+        ge=0.0,
+        lt=1.0,
         description="Fraction of the deduplicated samples held out for evaluation, set aside "
         "before any selection.",
     )
@@ -25,7 +27,8 @@ class RawInstructionsConfig(dg.Config):
         default=500, ge=1, description="Cap on held-out samples (None = no cap)."
     )
     max_train_samples: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Cap on the training pool N, a seeded subset (None = all). For quick runs.",
     )
     seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
@@ -72,7 +75,9 @@ def raw_instructions(
         benchmarks=list(benchmarks),
         mean_response_chars=round(mean_of(frame["response"].str.len_chars()), 1),
     )
-    return dg.MaterializeResult(metadata={
-        **record.to_metadata(),
-        **table_display(frame, ["sample_id", "split", "prompt", "source_file", "source_line"]),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            **table_display(frame, ["sample_id", "split", "prompt", "source_file", "source_line"]),
+        }
+    )

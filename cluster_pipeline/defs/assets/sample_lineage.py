@@ -27,9 +27,15 @@ LINEAGE_CONDITION = (
 ).with_label("eager; a missing checkpoint does not block")
 
 
-@stage_asset("inspection", deps=[*LINEAGE_STAGES, "trained_checkpoint"],
-             kinds={"polars", "deltalake"}, automation_condition=LINEAGE_CONDITION)
-def sample_lineage(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+@stage_asset(
+    "inspection",
+    deps=[*LINEAGE_STAGES, "trained_checkpoint"],
+    kinds={"polars", "deltalake"},
+    automation_condition=LINEAGE_CONDITION,
+)
+def sample_lineage(
+    context: dg.AssetExecutionContext, storage: StorageResource
+) -> dg.MaterializeResult:
     """One row per sample of the dataset: ``source_file``/``source_line``, ``sample_id``,
     ``split``, embedding stats (``n_response_tokens`` T, ``mean_loss``, ``skip_reason``),
     ``cluster`` and ``sq_distance``, ``selection_rank``, ``selected``, ``copies``, ``weight``,
@@ -52,8 +58,20 @@ def sample_lineage(context: dg.AssetExecutionContext, storage: StorageResource) 
         selected_samples=int(frame["selected"].fill_null(False).sum()),
         samples_in_a_checkpoint=frame.filter(pl.col("checkpoints").list.len() > 0).height,
     )
-    return dg.MaterializeResult(metadata={
-        **record.to_metadata(),
-        **table_display(frame, ["sample_id", "source_file", "source_line", "cluster",
-                                "selected", "rank", "weight"]),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            **table_display(
+                frame,
+                [
+                    "sample_id",
+                    "source_file",
+                    "source_line",
+                    "cluster",
+                    "selected",
+                    "rank",
+                    "weight",
+                ],
+            ),
+        }
+    )

@@ -59,8 +59,9 @@ def shard_manifests(
     table = write_table(shards, layout.table_uri("shard_manifests", dataset))
     seconds = time.perf_counter() - start
     context.log.info(f"{k} shards of {allocation.shard_size} samples in {folder}")
-    checks = check_allocation(allocation.manifests, sample_ids, labels, selection,
-                              allocation.dropped)
+    checks = check_allocation(
+        allocation.manifests, sample_ids, labels, selection, allocation.dropped
+    )
     record = ShardManifestsRecord(
         table=table,
         inputs=subsets.lineage(),
@@ -77,8 +78,12 @@ def shard_manifests(
     )
     return dg.MaterializeResult(
         check_results=[
-            dg.AssetCheckResult(check_name=name, passed=passed, description=text,
-                                severity=dg.AssetCheckSeverity.ERROR)
+            dg.AssetCheckResult(
+                check_name=name,
+                passed=passed,
+                description=text,
+                severity=dg.AssetCheckSeverity.ERROR,
+            )
             for name, (passed, text) in checks.items()
         ],
         metadata={**record.to_metadata(), **table_display(shards)},

@@ -26,12 +26,18 @@ class TrainedCheckpointConfig(dg.Config, TrainSettings):
     """The training knobs (:class:`~cluster_pipeline.training.config.TrainSettings`) plus
     whether to reuse a finished checkpoint."""
 
-    retrain: bool = Field(default=False, description="Train again even if a finished "
-                          "checkpoint of the same manifests, data, model and settings exists.")
+    retrain: bool = Field(
+        default=False,
+        description="Train again even if a finished "
+        "checkpoint of the same manifests, data, model and settings exists.",
+    )
 
 
-@stage_asset("training", deps=["shard_manifests", "peripheral_subsets", "raw_instructions"],
-             kinds={"pytorch", "huggingface"})
+@stage_asset(
+    "training",
+    deps=["shard_manifests", "peripheral_subsets", "raw_instructions"],
+    kinds={"pytorch", "huggingface"},
+)
 def trained_checkpoint(
     context: dg.AssetExecutionContext,
     config: TrainedCheckpointConfig,
@@ -58,8 +64,10 @@ def trained_checkpoint(
     run_dir = storage.layout.checkpoints_dir(dataset)
     # Same manifests, data, model and settings -> same folder, so a re-executed run resumes
     # from the interrupted one's latest checkpoint.
-    output_dir = run_dir / (f"{shards.manifest_set_sha256[:12]}-"
-                            f"{stable_hash(model_path, instructions.version, settings.model_dump(), length=8)}")
+    output_dir = run_dir / (
+        f"{shards.manifest_set_sha256[:12]}-"
+        f"{stable_hash(model_path, instructions.version, settings.model_dump(), length=8)}"
+    )
     job = TrainJob(
         settings=settings,
         model_path=model_path,
@@ -84,13 +92,24 @@ def trained_checkpoint(
     reused = not config.retrain and finished_for(output_dir, shards.manifest_sha256) is not None
     if reused:
         # Training is deterministic given these inputs: the finished checkpoint is the answer.
-        context.log.info(f"reusing {output_dir}: same manifests, data, model and settings "
-                         "(set retrain: true to train again)")
+        context.log.info(
+            f"reusing {output_dir}: same manifests, data, model and settings "
+            "(set retrain: true to train again)"
+        )
         reported = {}
     else:
-        reported = torchrun.run(context, pipes_subprocess_client, TRAIN_MODULE,
-                                shards.world_size // torchrun.nnodes,
-                                job_file).get_materialize_result().metadata or {}
+        reported = (
+            torchrun.run(
+                context,
+                pipes_subprocess_client,
+                TRAIN_MODULE,
+                shards.world_size // torchrun.nnodes,
+                job_file,
+            )
+            .get_materialize_result()
+            .metadata
+            or {}
+        )
     ckpt = read_checkpoint(output_dir)
     if ckpt is None:
         raise dg.Failure(f"training finished but {output_dir} holds no training_info.json")
@@ -114,13 +133,15 @@ def trained_checkpoint(
         config=ckpt.settings,
     )
     curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
-    return dg.MaterializeResult(metadata={
-        **reported,
-        **record.to_metadata(),
-        "selection_vs_training": dg.MetadataValue.md(
-            "| stage | seconds |\n|---|---|\n"
-            f"| selection (embedding pass + clustering + subsets + shards) | "
-            f"{record.selection_seconds:.1f} |\n| training | {record.train_seconds:.1f} |\n"
-        ),
-        "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            **reported,
+            **record.to_metadata(),
+            "selection_vs_training": dg.MetadataValue.md(
+                "| stage | seconds |\n|---|---|\n"
+                f"| selection (embedding pass + clustering + subsets + shards) | "
+                f"{record.selection_seconds:.1f} |\n| training | {record.train_seconds:.1f} |\n"
+            ),
+            "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+        }
+    )
