@@ -118,6 +118,6 @@ def embed_batch(
 
 
 def l2_normalise(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Rows of (N, d) ``x`` divided by their L2 norm (rows of norm < eps stay as they are)."""
+    """Rows of (N, d) ``x`` divided by max(L2 norm, eps), as float32: zero rows stay zero."""
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return (x / np.maximum(norms, eps)).astype(np.float32)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from cluster_pipeline.core import plots
-from cluster_pipeline.core.cache import JsonCache, file_stamp, stable_hash
+from cluster_pipeline.core.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
 from cluster_pipeline.core.checkpoints import TRAINING_INFO, Checkpoint
 from cluster_pipeline.core.evaluation import BENCHMARKS
 from cluster_pipeline.core.formats import EVAL_CONFIG_NAME
@@ -62,8 +62,11 @@ class ModelEntry:
     checkpoint: Checkpoint | None = None
 
     def cache_stamp(self) -> str:
-        """Changes when a checkpoint folder is rewritten in place (resumed, retrained)."""
-        return file_stamp(Path(self.path) / TRAINING_INFO) if self.checkpoint else self.path
+        """Changes when the model changes: a checkpoint folder rewritten in place (resumed,
+        retrained), or base model files replaced under the same path."""
+        if self.checkpoint:
+            return file_stamp(Path(self.path) / TRAINING_INFO)
+        return model_fingerprint(self.path)
 
 
 def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
