@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,12 @@ def tiny_data_dir(tmp_path) -> Path:
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     return data
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_between_tests():
+    """Finalise what earlier tests left for the garbage collector before this test opens its
+    Dagster instance: a finaliser that runs in the middle of a test can reset Dagster's
+    context-local definitions-state storage to one of an instance already disposed ("Attempted
+    to resolve undefined DagsterInstance weakref", seen once in a full run)."""
+    gc.collect()

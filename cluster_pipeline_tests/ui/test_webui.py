@@ -110,11 +110,13 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         try:
+            # The one-time newsletter prompt can open at any moment (later on a loaded
+            # machine); whenever it covers what a step wants to click, dismiss it first.
+            page.add_locator_handler(
+                page.get_by_role("button", name="Skip"), lambda skip: skip.click()
+            )
             page.goto(f"{url}/asset-groups", wait_until="networkidle")
             page.wait_for_timeout(2000)
-            skip = page.get_by_role("button", name="Skip")  # the one-time newsletter prompt
-            if skip.count():
-                skip.click()
             page.screenshot(path=ARTIFACTS / "01_asset_graph.png")
 
             page.goto(
