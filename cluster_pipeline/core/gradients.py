@@ -23,8 +23,9 @@ import torch
 DEFAULT_SKETCH_DIM = 1024
 
 
-def count_sketch(tensors: Iterable[torch.Tensor], dim: int = DEFAULT_SKETCH_DIM,
-                 seed: int = 0) -> torch.Tensor:
+def count_sketch(
+    tensors: Iterable[torch.Tensor], dim: int = DEFAULT_SKETCH_DIM, seed: int = 0
+) -> torch.Tensor:
     """(dim,) float64 CountSketch of the concatenation of ``tensors`` (e.g. every parameter's
     gradient, in a fixed order). Tensor k's hashes come from ``seed`` and k, so the same
     parameter order gives the same projection in every process."""

@@ -135,17 +135,32 @@ def paired_bootstrap(
         return difference(items, sa, sb)
 
     observed = float(difference(np.arange(n), np.arange(a.shape[0]), np.arange(b.shape[0])))
-    result = bootstrap(tuple(data), statistic, paired=False, vectorized=True,
-                       n_resamples=n_resamples, confidence_level=confidence,
-                       method="percentile", batch=256, rng=np.random.default_rng(seed))
+    result = bootstrap(
+        tuple(data),
+        statistic,
+        paired=False,
+        vectorized=True,
+        n_resamples=n_resamples,
+        confidence_level=confidence,
+        method="percentile",
+        batch=256,
+        rng=np.random.default_rng(seed),
+    )
     se = float(result.standard_error)
     ref_mean = float((w * b.mean(axis=0)).sum() / w.sum())
     return Comparison(
-        metric=metric, candidate=names[0], reference=names[1], difference=observed,
-        low=float(result.confidence_interval.low), high=float(result.confidence_interval.high),
-        standard_error=se, min_detectable=MDD_FACTOR * se,
+        metric=metric,
+        candidate=names[0],
+        reference=names[1],
+        difference=observed,
+        low=float(result.confidence_interval.low),
+        high=float(result.confidence_interval.high),
+        standard_error=se,
+        min_detectable=MDD_FACTOR * se,
         relative=observed / ref_mean if ref_mean else float("nan"),
-        lower_is_better=lower_is_better, items=n, candidate_seeds=a.shape[0],
+        lower_is_better=lower_is_better,
+        items=n,
+        candidate_seeds=a.shape[0],
         reference_seeds=b.shape[0],
     )
 
