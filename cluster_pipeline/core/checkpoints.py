@@ -79,6 +79,12 @@ class Checkpoint:
     def data_fraction(self) -> float | None:
         return self.provenance.get("data_fraction")
 
+    def mean_grad_cosine(self) -> float | None:
+        """Mean over logged steps of the mean inter-rank cosine of the ranks' local gradients
+        (``grad_cosine`` in the metrics file; None if never logged)."""
+        values = [r["grad_cosine"] for r in read_metrics(self.path) if "grad_cosine" in r]
+        return float(sum(values) / len(values)) if values else None
+
     def loss_curve(self) -> list[tuple[int, float]]:
         """(optimizer step, mean loss over ranks) per step."""
         return [(r["step"], r["loss"]) for r in read_metrics(self.path)]

@@ -188,11 +188,13 @@ def balanced_kmeans(
     )
 
 
-def read_clusterable(embeddings: TableRef) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
+def read_clusterable(
+    embeddings: TableRef, column: str = "embedding_normalised"
+) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
     """Split a ``proxy_embeddings`` table version into (rows to cluster: ``sample_id``, their
-    (N, d) float32 normalised embeddings, rows quarantined for non-finite values). Skipped
-    samples are left out; embeddings are read batch by batch."""
-    rows, matrix = embeddings.read_vectors("embedding_normalised", keep="skip_reason")
+    (N, d) float32 vectors from ``column``, rows quarantined for non-finite values). Skipped
+    samples are left out; vectors are read batch by batch."""
+    rows, matrix = embeddings.read_vectors(column, keep="skip_reason")
     finite = np.asarray(np.isfinite(matrix).all(axis=1))
     if finite.all():
         return rows, matrix, rows.clear()

@@ -32,11 +32,15 @@ class BatchEmbedding:
 
     Attributes:
         embedding: (B, d) float32, e above.
+        hidden_mean: (B, d) float32, (1/T) sum_t h_t: the mean final hidden state over the
+            positions that predict the response tokens (a second representation from the same
+            forward pass; arXiv 2503.01807 reports it strong for data selection).
         mean_loss: (B,) float32, mean token cross-entropy over the response (nats).
         n_response_tokens: (B,) int64, T.
     """
 
     embedding: np.ndarray
+    hidden_mean: np.ndarray
     mean_loss: np.ndarray
     n_response_tokens: np.ndarray
 
@@ -107,11 +111,15 @@ def embed_batch(
     d = hidden.shape[-1]
     emb = torch.zeros(hidden.shape[0], d, dtype=torch.float32, device=device)
     emb.index_add_(0, rows, coef[:, None] * h.float())
+    hidden_mean = torch.zeros(hidden.shape[0], d, dtype=torch.float32, device=device)
+    hidden_mean.index_add_(0, rows, h.float())
+    hidden_mean /= counts[:, None].float()
     loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=device)
     loss.index_add_(0, rows, -logp)
     loss /= counts.float()
     return BatchEmbedding(
         embedding=emb.cpu().numpy(),
+        hidden_mean=hidden_mean.cpu().numpy(),
         mean_loss=loss.cpu().numpy(),
         n_response_tokens=counts.cpu().numpy().astype(np.int64),
     )

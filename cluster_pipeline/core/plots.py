@@ -151,3 +151,76 @@ def scatter_labelled(points: Sequence[tuple[float, float, str]], xlabel: str, yl
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     return _png(fig)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (lower x and lower y are
+    better), sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def decision(rows: Sequence[Mapping], metric: str) -> bytes:
+    """Quality against cost: ``metric`` (lower is better) against selection + training seconds
+    and against data fraction, one line per selector over its ratios, ``full`` as a star, the
+    Pareto front (cost vs quality) ringed. ``rows`` are aggregated report rows (keys group,
+    selector, ratio, data_fraction, train_seconds, selection_seconds, ``metric``,
+    ``metric``_std)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    seconds = [
+        float(r["train_seconds"])
+        + (float(r["selection_seconds"]) if np.isfinite(r["selection_seconds"]) else 0.0)
+        for r in rows
+    ]
+    xs_by = {"seconds": seconds, "fraction": [float(r["data_fraction"]) for r in rows]}
+    ys = [float(r[metric]) for r in rows]
+    errs = [float(r.get(f"{metric}_std", 0.0)) for r in rows]
+    front = set(pareto_front(list(zip(seconds, ys, strict=True))))
+    for ax, (key, label) in zip(
+        axes,
+        (("seconds", "selection + training seconds"), ("fraction", "data fraction")),
+        strict=True,
+    ):
+        xs = xs_by[key]
+        for k, selector in enumerate(dict.fromkeys(r["selector"] for r in rows)):
+            idx = sorted(
+                (i for i, r in enumerate(rows) if r["selector"] == selector), key=lambda i: xs[i]
+            )
+            marker = "*" if selector == "full" else "o"
+            ax.errorbar(
+                [xs[i] for i in idx],
+                [ys[i] for i in idx],
+                yerr=[errs[i] for i in idx],
+                marker=marker,
+                markersize=9 if selector == "full" else 5,
+                capsize=3,
+                label=selector,
+                color=plt.cm.tab10(k % 10),
+            )
+            for i in idx:
+                ratio = rows[i]["ratio"]
+                ax.annotate(
+                    f"r={ratio}",
+                    (xs[i], ys[i]),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+        ax.scatter(
+            [xs[i] for i in front],
+            [ys[i] for i in front],
+            s=160,
+            facecolors="none",
+            edgecolors="k",
+            linewidths=1,
+            label="Pareto front (time)",
+        )
+        ax.set_xlabel(label)
+        ax.set_ylabel(metric)
+    axes[0].legend(fontsize=7)
+    return _png(fig)

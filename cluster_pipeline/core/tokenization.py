@@ -82,6 +82,14 @@ def encode_sample(
     if not response.strip():
         return EncodedSample([], [], 0, False, SKIP_EMPTY_RESPONSE)
     prompt_text, response_text = render_texts(tokenizer, system, prompt, response)
+    return encode_texts(tokenizer, prompt_text, response_text, max_length)
+
+
+def encode_texts(tokenizer, prompt_text: str, response_text: str, max_length: int) -> EncodedSample:
+    """Token ids and labels of an already rendered (prompt text, response text) pair: the two
+    are tokenized separately and concatenated, labels cover the response only. Without a chat
+    template, BOS opens the prompt and EOS closes the response. Truncation cuts the response's
+    end."""
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
     if not getattr(tokenizer, "chat_template", None):

@@ -150,6 +150,7 @@ class BalancedClustersRecord(SelectionRecord):
     ASSET: ClassVar[str] = "balanced_clusters"
     centroids: TableRef
     num_clusters: int
+    representation: str = "gradient_proxy"
     cap: int
     cluster_sizes: list[int]
     kmeans_cluster_sizes: list[int]
@@ -171,6 +172,10 @@ class PeripheralSubsetsRecord(SelectionRecord):
     selected_samples: int
     data_fraction: float
     cluster_weights: list[float]
+    # Of the subset as trained (copies counted), from its proxy embeddings; see
+    # core/statistics.gradient_diversity. The pool's, for scale.
+    gradient_diversity: float = float("nan")
+    pool_gradient_diversity: float = float("nan")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,13 +216,17 @@ class TrainedCheckpointRecord(StageRecord):
 @dataclass(frozen=True, kw_only=True)
 class EvalReportRecord(StageRecord):
     ASSET: ClassVar[str] = "eval_report"
+    item_scores: TableRef
     PATHS: ClassVar[tuple[str, ...]] = ("report_path", "checkpoint_path")
     report_path: str
     checkpoint_path: str
     models_compared: int
     train_seconds: float
-    full_training_estimate_seconds: float
+    full_training_seconds: float
+    full_training_measured: bool
     data_fraction: float
+    # The current run against its references: reference, metric, difference, low, high, verdict.
+    verdicts: list[dict[str, Any]]
     base: dict[str, float]
     tuned: dict[str, float]
 

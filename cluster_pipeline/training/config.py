@@ -100,13 +100,26 @@ class TrainSettings(_Model):
         description="Multiply rank c's loss by w_c = n_c K / N "
         "(docs/design.md, step 5); off = plain balanced training.",
     )
-    seed: int = Field(default=0, description="Training seed (rank r uses seed + r).")
+    seed: int = Field(
+        default=0,
+        description="Training seed: the order each rank visits its shard in, every epoch, and "
+        "torch's RNG (rank r uses seed + r).",
+    )
     save_every_steps: int | None = Field(
         default=None,
         ge=1,
         description="Save a resumable checkpoint every N optimizer steps (None = only at the end).",
     )
     keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
+    grad_cosine_every: int | None = Field(
+        default=5,
+        ge=1,
+        description="Every N optimizer steps, log the mean cosine between the ranks' local "
+        "gradients (CluSTER Fig. 6a), from a fixed random projection; None = never.",
+    )
+    grad_sketch_dim: int = Field(
+        default=1024, ge=16, description="Dimension of that projection (CountSketch)."
+    )
     resume: bool = Field(
         default=True,
         description="Resume from the latest intermediate "

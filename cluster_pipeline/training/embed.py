@@ -53,7 +53,12 @@ CHUNK_SCHEMA = {
     "skip_reason": pl.String,
     "mean_loss": pl.Float32,
     "embedding": pl.List(pl.Float32),
+    "hidden_mean": pl.List(pl.Float32),
 }
+# Bumped when the chunk schema changes, so cached chunks of an older schema are not reused.
+CHUNK_FORMAT = 2
+# The representations a pass stores, by name: raw column (normalised: "<column>_normalised").
+REPRESENTATIONS = {"gradient_proxy": "embedding", "hidden_mean": "hidden_mean"}
 
 
 PASS_STATS = "pass_stats.json"
@@ -109,8 +114,9 @@ class EmbeddingTable:
     """The ``proxy_embeddings`` table of a finished pass and what it holds.
 
     Attributes:
-        frame: :data:`CHUNK_SCHEMA` plus ``embedding_normalised`` (List(Float32), L2-normalised
-            e; null where skipped), one row per training sample in table order.
+        frame: :data:`CHUNK_SCHEMA` plus ``embedding_normalised`` and
+            ``hidden_mean_normalised`` (List(Float32), L2-normalised; null where skipped), one
+            row per training sample in table order.
         embedded: samples with an embedding.
         skipped: skip reason -> count.
         hidden_size: d.
@@ -136,18 +142,22 @@ def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> E
             "no sample has a response token within max_length; raise max_length "
             "or check the responses"
         )
-    matrix = series_to_matrix(chunks.filter(pl.Series(ok))["embedding"])
-    normalised = np.zeros((chunks.height, matrix.shape[1]), dtype=np.float32)
-    normalised[ok] = l2_normalise(matrix)
-    frame = chunks.with_columns(vectors_to_series("embedding_normalised", normalised)).with_columns(
-        pl.when(pl.col("skip_reason").is_null()).then(pl.col("embedding_normalised"))
-    )
+    frame, d = chunks, 0
+    for column in REPRESENTATIONS.values():
+        matrix = series_to_matrix(chunks.filter(pl.Series(ok))[column])
+        d = int(matrix.shape[1])
+        normalised = np.zeros((chunks.height, d), dtype=np.float32)
+        normalised[ok] = l2_normalise(matrix)
+        name = f"{column}_normalised"
+        frame = frame.with_columns(vectors_to_series(name, normalised)).with_columns(
+            pl.when(pl.col("skip_reason").is_null()).then(pl.col(name)).alias(name)
+        )
     skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
     return EmbeddingTable(
         frame,
         int(ok.sum()),
         dict(zip(skipped["skip_reason"], skipped["len"], strict=True)),
-        int(matrix.shape[1]),
+        d,
     )
 
 
@@ -170,6 +180,7 @@ def embed_frame(
     ]
     n, d = len(encoded), model.config.hidden_size
     emb = np.zeros((n, d), dtype=np.float32)
+    hmean = np.zeros((n, d), dtype=np.float32)
     loss = np.full(n, np.nan, dtype=np.float32)
     n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
     usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
@@ -180,11 +191,13 @@ def embed_frame(
         batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
         out = embed_batch(model, batch, lm_head_chunk_rows, autocast)
         emb[idx] = out.embedding
+        hmean[idx] = out.hidden_mean
         loss[idx] = out.mean_loss
         if on_batch is not None:
             on_batch(len(idx), int(batch["attention_mask"].sum()))
     skip = [e.skip_reason for e in encoded]
     vectors = [None if skip[i] else emb[i].tolist() for i in range(n)]
+    means = [None if skip[i] else hmean[i].tolist() for i in range(n)]
     return pl.DataFrame(
         {
             "sample_id": frame["sample_id"],
@@ -194,6 +207,7 @@ def embed_frame(
             "skip_reason": skip,
             "mean_loss": [None if skip[i] else float(loss[i]) for i in range(n)],
             "embedding": vectors,
+            "hidden_mean": means,
         },
         schema=CHUNK_SCHEMA,
     )

@@ -56,6 +56,7 @@ from cluster_pipeline.core.checkpoints import (
     intermediate_dir,
     metrics_path,
 )
+from cluster_pipeline.core.gradients import cosine_matrix, count_sketch, mean_offdiagonal
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_sample
@@ -123,15 +124,15 @@ def step_plan(
     n_samples: int, settings: TrainSettings, n_steps: int
 ) -> list[tuple[int, list[np.ndarray]]]:
     """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
-    that a resumed run sees exactly the batches the interrupted one would have. Epoch 0 follows
-    the manifest's seeded order; later epochs reshuffle it with seed + epoch."""
+    that a resumed run sees exactly the batches the interrupted one would have. The training
+    seed sets the data order: epoch e visits the shard in the permutation drawn from
+    ``default_rng([seed, e])``, so runs that differ only in their training seed see the same
+    samples in another order."""
     batch, acc = settings.per_device_batch_size, settings.gradient_accumulation_steps
     per_epoch = steps_per_epoch(n_samples, batch, acc)
     plan = []
     for epoch in range(settings.epochs):
-        order = np.arange(n_samples)
-        if epoch:
-            order = np.random.default_rng(settings.seed + epoch).permutation(n_samples)
+        order = np.random.default_rng([settings.seed, epoch]).permutation(n_samples)
         micro = [order[i : i + batch] for i in range(0, n_samples, batch)]
         plan += [(epoch, micro[s * acc : (s + 1) * acc]) for s in range(per_epoch)]
     return plan[:n_steps]
@@ -294,31 +295,62 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     return run
 
 
+def measure_grad_cosine(run: TrainRun) -> tuple[float, float]:
+    """Mean inter-rank cosine of the ranks' local gradients, then the DDP average.
+
+    Called after a step's backward passes ran without DDP synchronisation, so ``.grad`` holds
+    this rank's local (weighted) gradient: each rank projects it with the same CountSketch
+    (:mod:`cluster_pipeline.core.gradients`), the sketches are gathered, and the gradients are
+    then averaged over ranks exactly as DDP would have (sum, divided by the world size).
+    Collective: every rank must call it. Returns (mean cosine, seconds spent)."""
+    t0 = time.time()
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    sketch = count_sketch(
+        (p.grad for p in params if p.grad is not None),
+        run.settings.grad_sketch_dim,
+        seed=run.settings.seed,
+    )
+    sketches = torch.tensor(_gather_objects(sketch.tolist(), run.env), dtype=torch.float64)
+    works = [dist.all_reduce(p.grad, async_op=True) for p in params if p.grad is not None]
+    for work in works:
+        if work is not None:
+            work.wait()
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(run.env.world_size)
+    return mean_offdiagonal(cosine_matrix(sketches)), time.time() - t0
+
+
 def train_step(run: TrainRun) -> dict[str, Any]:
     """One optimizer step over this step's micro-batches (gradients synchronised on the last
-    one only); returns its metrics record, gathered over ranks."""
+    one only; on a gradient-cosine step, by :func:`measure_grad_cosine` after all of them);
+    returns its metrics record, gathered over ranks."""
     env, cfg = run.env, run.settings
     t0 = time.time()
     epoch, group = run.plan[run.step]
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    ddp = run.ddp_model
+    is_ddp = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    every = cfg.grad_cosine_every
+    measure = is_ddp and every is not None and (run.step + 1) % every == 0
     losses, tokens = [], 0
     for j, idx in enumerate(group):
         batch = collate([run.encoded[i] for i in idx], run.tokenizer.pad_token_id, "right")
         batch = {k: v.to(env.device) for k, v in batch.items()}
         last = j == len(group) - 1
         # DDP all-reduces gradients on every backward unless told otherwise: only the last
-        # micro-batch of an accumulation group synchronises.
-        ddp = run.ddp_model
+        # micro-batch of an accumulation group synchronises (none, when measuring).
         ctx = (
             ddp.no_sync()
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and not last
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and (measure or not last)
             else nullcontext()
         )
         with ctx, autocast:
-            loss, raw, n_tok = weighted_loss(run.ddp_model, batch, run.weight, len(group))
+            loss, raw, n_tok = weighted_loss(ddp, batch, run.weight, len(group))
             loss.backward()
         losses.append(float(raw))
         tokens += n_tok
+    cosine = measure_grad_cosine(run) if measure else None
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm))
     run.optimizer.step()
     run.scheduler.step()
@@ -337,6 +369,8 @@ def train_step(run: TrainRun) -> dict[str, Any]:
         "step_seconds": max(g[2] for g in gathered),
         "elapsed_seconds": time.time() - run.start,
     }
+    if cosine is not None:
+        entry["grad_cosine"], entry["grad_cosine_seconds"] = cosine
     run.history.append(entry)
     return entry
 
@@ -427,6 +461,12 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
                 f"step {run.step}/{run.total_steps} loss {entry['loss']:.4f} "
                 f"(ranks {[round(x, 4) for x in entry['loss_per_rank']]}) "
                 f"{entry['tokens'] / max(entry['step_seconds'], 1e-9):.0f} response tokens/s"
+                + (
+                    f"; inter-rank gradient cosine {entry['grad_cosine']:.4f} (measured in "
+                    f"{entry['grad_cosine_seconds']:.2f} s)"
+                    if "grad_cosine" in entry
+                    else ""
+                )
             )
             every = cfg.save_every_steps
             if every and run.step % every == 0 and run.step < run.total_steps:

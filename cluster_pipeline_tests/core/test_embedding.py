@@ -115,3 +115,19 @@ def test_bf16_autocast_stays_close_to_float32(tiny_model, tiny_tokenizer):
     )
     assert (cos > 0.99).all()
     np.testing.assert_allclose(half.mean_loss, full.mean_loss, rtol=0.02)
+
+
+def test_hidden_mean_equals_the_mean_final_hidden_state_over_the_response(
+    tiny_model, tiny_tokenizer
+):
+    """From the model's own hidden states (output_hidden_states, after the final norm), one
+    sample at a time, at the positions that predict a response token; in a padded batch."""
+    encoded = [encode_sample(tiny_tokenizer, *s, max_length=128) for s in SAMPLES]
+    got = embed_batch(tiny_model, collate(encoded, tiny_tokenizer.pad_token_id))
+    for i, sample in enumerate(encoded):
+        with torch.no_grad():
+            out = tiny_model(input_ids=torch.tensor([sample.input_ids]), output_hidden_states=True)
+        h = out.hidden_states[-1][0]  # Llama: the final norm's output
+        predicts_response = [p for p in range(len(sample) - 1) if sample.labels[p + 1] != -100]
+        want = h[predicts_response].mean(0).numpy()
+        np.testing.assert_allclose(got.hidden_mean[i], want, rtol=1e-4, atol=1e-6)

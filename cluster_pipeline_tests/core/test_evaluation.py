@@ -151,3 +151,25 @@ def test_shared_eval_files_load():
     from cluster_pipeline.core.evaluation import MMLU_MEDICAL_TOPICS
 
     assert len(load_mmlu(mmlu, MMLU_MEDICAL_TOPICS)) == 1089
+
+
+def test_solution_nll_scores_exactly_the_reference_solution(tiny_model, tiny_tokenizer):
+    from cluster_pipeline.core.evaluation import (
+        CodeProblem,
+        encode_solution,
+        response_losses,
+        solution_nll,
+    )
+
+    problem = CodeProblem("t/0", "def add(a, b):\n", "add", "", solution="    return a + b\n")
+    enc = encode_solution(tiny_tokenizer, problem, 512)
+    scored = [t for t, lab in zip(enc.input_ids, enc.labels, strict=True) if lab != -100]
+    # The solution, the closing fence and the end-of-turn marker of the chat template; the
+    # prompt (and the function's opening line the answer repeats) are context only.
+    assert tiny_tokenizer.decode(scored) == "    return a + b\n```<|im_end|>\n"
+    nll, items = solution_nll(
+        tiny_model, tiny_tokenizer, [problem, CodeProblem("t/1", "def f():\n", "f", "")], 512
+    )
+    assert items.ids == ["t/0"] and items.weights == [float(len(scored))]
+    tokens, losses = response_losses(tiny_model, tiny_tokenizer, [enc])
+    assert nll == pytest.approx(float(losses[0])) and tokens[0] == len(scored)

@@ -5,9 +5,19 @@ import math
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
+import polars as pl
 import pytest
 
-from cluster_pipeline.core.report import ModelResult, aggregate, dataset_benchmarks, markdown_table
+from cluster_pipeline.core.evaluation import ItemScores
+from cluster_pipeline.core.report import (
+    ModelResult,
+    aggregate,
+    compare_groups,
+    dataset_benchmarks,
+    markdown_table,
+    render_report,
+)
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
 
@@ -17,8 +27,18 @@ ASSETS = pipeline_assets()
 def test_aggregate_gives_mean_and_sample_std_per_group():
     rs = [
         ModelResult("b", "base", "p", {"m": 1.0}),
-        ModelResult("x0", "random_global r=0.5", "p", {"m": 2.0}, 10.0, 0.5),
-        ModelResult("x1", "random_global r=0.5", "p", {"m": 4.0}, 20.0, 0.5, current=True),
+        ModelResult(
+            "x0", "random_global r=0.5", "p", {"m": 2.0}, train_seconds=10.0, data_fraction=0.5
+        ),
+        ModelResult(
+            "x1",
+            "random_global r=0.5",
+            "p",
+            {"m": 4.0},
+            train_seconds=20.0,
+            data_fraction=0.5,
+            current=True,
+        ),
     ]
     rows = aggregate(rs, ["m"])
     assert [r["group"] for r in rows] == ["base", "random_global r=0.5"]
@@ -31,6 +51,73 @@ def test_aggregate_gives_mean_and_sample_std_per_group():
     table = markdown_table(rows, ["m"])
     assert "| **random_global r=0.5** | 2 | 0.500 ± 0.000 | 15.0 ± 7.1 | 3.0000 ± 1.4142 |" in table
     assert "| base | 1 | - | - | 1.0000 |" in table
+
+
+def _result(name, group, selector, ratio, losses, current=False):
+    ids = [f"s{i}" for i in range(len(losses))]
+    items = {"heldout_loss": ItemScores(ids, [10.0] * len(ids), list(losses))}
+    return ModelResult(
+        name,
+        group,
+        "p",
+        {"heldout_loss": float(np.mean(losses))},
+        items,
+        selector,
+        ratio,
+        100.0,
+        20.0,
+        ratio,
+        0.5,
+        0.1,
+        current,
+    )
+
+
+def test_each_group_is_compared_with_random_global_full_and_base_with_verdicts():
+    rng = np.random.default_rng(0)
+    base = 1.5 + rng.normal(0, 0.2, 200)
+    results = [_result("base", "base", None, None, base)]
+    for seed in (0, 1):
+        noise = rng.normal(0, 0.01, 200)
+        results += [
+            _result(
+                f"p{seed}",
+                "peripheral r=0.5",
+                "peripheral",
+                0.5,
+                base - 0.3 + noise,
+                current=seed == 0,
+            ),
+            _result(
+                f"g{seed}",
+                "random_global r=0.5",
+                "random_global",
+                0.5,
+                base - 0.3 + rng.normal(0, 0.01, 200),
+            ),
+            _result(f"f{seed}", "full r=1.0", "full", 1.0, base - 0.35 + noise),
+        ]
+    rows = aggregate(results, ["heldout_loss"])
+    comparisons = compare_groups(results, rows, n_resamples=500)
+    pairs = {(c.candidate, c.reference): c for c in comparisons}
+    assert set(pairs) == {
+        ("peripheral r=0.5", "random_global r=0.5"),
+        ("peripheral r=0.5", "full r=1.0"),
+        ("peripheral r=0.5", "base"),
+        ("random_global r=0.5", "full r=1.0"),
+        ("random_global r=0.5", "base"),
+        ("full r=1.0", "base"),
+    }
+    assert pairs[("peripheral r=0.5", "base")].verdict == "better"
+    assert pairs[("peripheral r=0.5", "full r=1.0")].verdict == "worse"
+    assert pairs[("peripheral r=0.5", "full r=1.0")].difference == pytest.approx(0.05, abs=0.005)
+    assert pairs[("peripheral r=0.5", "random_global r=0.5")].verdict == "no detectable difference"
+    assert pairs[("peripheral r=0.5", "base")].candidate_seeds == 2
+    report = render_report("d", results, 200, 2000, {}, {}, 12.0, n_resamples=500)
+    assert report.full_training_measured and report.full_training_seconds == 100.0
+    assert "against **full r=1.0** on heldout_loss (lower is better): **worse**" in report.summary
+    assert "| net time saved (full - selection - training) | -12.0 s |" in report.summary
+    assert "decision.png" in report.pngs
 
 
 def test_benchmarks_are_configured_per_dataset(tmp_path):
@@ -85,7 +172,8 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
             "eval_report": {
                 "config": {
                     "max_length": 64,
-                    "benchmarks": ["mbpp", "mmlu_medical"],
+                    "benchmarks": ["humaneval", "mbpp", "mmlu_medical"],
+                    "humaneval_problems": 3,
                     "max_new_tokens": 8,
                     "eval_data_dir": str(eval_dir),
                 }
@@ -102,11 +190,12 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
             run_config={"ops": {k: v for k, v in RUN_CONFIG["ops"].items() if k != "eval_report"}},
         ).success
         train_cfg = RUN_CONFIG["ops"]["trained_checkpoint"]["config"]
-        for seed in (0, 1):
+        # make compare: 2 selectors x 2 seeds (peripheral seed 0 was trained above).
+        for selector, seed in (("peripheral", 1), ("random_global", 0), ("random_global", 1)):
             cfg = {
                 "ops": {
                     "peripheral_subsets": {
-                        "config": {"selector": "random_global", "ratio": 0.5, "seed": seed}
+                        "config": {"selector": selector, "ratio": 0.5, "seed": seed}
                     },
                     "trained_checkpoint": {"config": {**train_cfg, "seed": seed}},
                 }
@@ -124,16 +213,57 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
             [ASSETS[6]], partition_key="tiny", instance=instance, resources=res, run_config=eval_cfg
         ).success
         m = meta(instance, "eval_report")
-        assert m["models_compared"] == 4
+        assert m["models_compared"] == 5
         report = Path(str(m["report_path"]))
         text = report.read_text()
-        assert "| peripheral r=0.5 | 1 |" in text
+        assert "| peripheral r=0.5 | 2 |" in text
+        # The training seed sets the data order, so the two peripheral runs differ.
+        peripheral = next(
+            line for line in text.splitlines() if line.startswith("| peripheral r=0.5 | 2 |")
+        )
+        heldout_cell = peripheral.split(" | ")[4]  # held-out loss, mean ± std over seeds
+        assert "±" in heldout_cell and not heldout_cell.endswith("± 0.0000")
         assert "| **random_global r=0.5** | 2 |" in text and "±" in text
-        for png in ("metrics.png", "loss_curves.png", "time_vs_fraction.png"):
+        for png in ("metrics.png", "loss_curves.png", "time_vs_fraction.png", "decision.png"):
             assert (report.parent / png).stat().st_size > 1000 and f"![{png}]({png})" in text
-        assert {"base/mbpp_pass@1", "tuned/mmlu_medical_accuracy"} <= set(m)
+        assert {
+            "base/mbpp_pass@1",
+            "tuned/mmlu_medical_accuracy",
+            "tuned/humaneval_solution_nll",
+        } <= set(m)
+        # Intervals and verdicts: peripheral (2 seeds) against random_global (2 seeds) and base,
+        # on held-out loss (per sample), solution NLL, pass@1 and accuracy (per item).
+        rows = [
+            line
+            for line in text.splitlines()
+            if line.startswith("| peripheral r=0.5 | random_global r=0.5 |")
+        ]
+        # Not pass@1 (every model scores 0) nor MBPP (1 problem: no interval).
+        assert {line.split(" | ")[2] for line in rows} == {
+            "heldout_loss",
+            "humaneval_solution_nll",
+            "mmlu_medical_accuracy",
+        }
+        for line in rows:
+            assert (
+                " [" in line
+                and "2 vs 2" in line
+                and any(
+                    v in line for v in ("**better**", "**worse**", "**no detectable difference**")
+                )
+            )
+        assert "every model scores 0 on humaneval_pass@1" in text
+        assert "### Was the subset worth it? `random_global r=0.5`" in text
+        assert {v["reference"] for v in m["verdicts"]} == {"base"}
+        # Per-item scores are a Delta table: one held-out loss per sample and model.
+        scores = pl.read_delta(str(m["item_scores_uri"]), version=int(m["item_scores_version"]))
+        heldout = scores.filter(pl.col("metric") == "heldout_loss")
+        assert heldout.group_by("model").len()["len"].to_list() == [6] * 5
+        assert (heldout["weight"] > 0).all()
+        # The inter-rank gradient cosine was logged during training (every 5 steps).
+        assert "| peripheral r=0.5 |" in text and "inter-rank grad cosine" in text
         # Evaluations are cached: a second report evaluates nothing again.
         assert dg.materialize(
             [ASSETS[6]], partition_key="tiny", instance=instance, resources=res, run_config=eval_cfg
         ).success
-        assert len(list((report.parent / "evals").glob("*.json"))) == 4
+        assert len(list((report.parent / "evals").glob("*.json"))) == 5

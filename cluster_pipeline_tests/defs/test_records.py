@@ -29,6 +29,8 @@ SUBSETS = PeripheralSubsetsRecord(
     selected_samples=20,
     data_fraction=0.25,
     cluster_weights=[1.5, 0.5],
+    gradient_diversity=0.125,
+    pool_gradient_diversity=0.0625,
 )
 
 
@@ -79,7 +81,10 @@ def test_eval_report_record_flattens_its_metrics():
         checkpoint_path="/c",
         models_compared=2,
         train_seconds=10.0,
-        full_training_estimate_seconds=20.0,
+        full_training_seconds=20.0,
+        full_training_measured=False,
+        item_scores=TableRef("/d/tables/eval_item_scores/x", 0),
+        verdicts=[{"reference": "base", "metric": "heldout_loss", "verdict": "better"}],
         data_fraction=0.5,
         base={"heldout_loss": 1.5},
         tuned={"heldout_loss": 1.25},

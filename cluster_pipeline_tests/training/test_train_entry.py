@@ -188,3 +188,35 @@ def test_config_errors_name_the_option(field, value, match):
     # And as a rank reads it: from the JSON file the asset wrote.
     with pytest.raises(ValueError, match=match):
         TrainJob.model_validate_json(json.dumps(job))
+
+
+@pytest.mark.slow
+def test_measuring_the_inter_rank_gradient_cosine_does_not_change_training(
+    tmp_path, tiny_model_dir
+):
+    runs = {}
+    for every in (1, None):
+        folder = tmp_path / f"every_{every}"
+        folder.mkdir()
+        job, _ = train_job(
+            folder,
+            tiny_model_dir,
+            [1.5, 0.5],
+            per_rank=8,
+            per_device_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-3,
+            grad_cosine_every=every,
+        )
+        done = torchrun(TRAIN, 2, ["--config", str(folder / "train.json")])
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = [
+            json.loads(x) for x in Path(job.output_dir + ".metrics.jsonl").read_text().splitlines()
+        ]
+        runs[every] = (_weights(Path(job.output_dir)), metrics)
+    (measured, with_cos), (plain, without) = runs[1], runs[None]
+    assert len(with_cos) == 2 and all(-1.0 <= m["grad_cosine"] <= 1.0 for m in with_cos)
+    assert not any("grad_cosine" in m for m in without)
+    # The manual all-reduce after a measurement equals DDP's own averaging.
+    for name in plain:
+        torch.testing.assert_close(measured[name], plain[name], rtol=1e-5, atol=1e-6)

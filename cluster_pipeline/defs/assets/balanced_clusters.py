@@ -1,6 +1,7 @@
 """Stage 2: k-means over the proxy embeddings, then the capacity-constrained assignment."""
 
 import time
+from typing import Literal
 
 import dagster as dg
 import numpy as np
@@ -14,6 +15,7 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.training.embed import REPRESENTATIONS
 
 
 class BalancedClustersConfig(dg.Config):
@@ -30,6 +32,11 @@ class BalancedClustersConfig(dg.Config):
     )
     seed: int = Field(default=0, description="k-means seed.")
     niter: int = Field(default=25, ge=1, description="k-means iterations.")
+    representation: Literal["gradient_proxy", "hidden_mean"] = Field(
+        default="gradient_proxy",
+        description="What to cluster: gradient_proxy = the CluSTER embedding e (default); "
+        "hidden_mean = the mean final hidden state over the response, from the same pass.",
+    )
 
 
 @stage_asset(
@@ -56,7 +63,8 @@ def balanced_clusters(
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
     embeddings = read_record(context, ProxyEmbeddingsRecord)
-    rows, x, quarantined = read_clusterable(embeddings.table)
+    column = f"{REPRESENTATIONS[config.representation]}_normalised"
+    rows, x, quarantined = read_clusterable(embeddings.table, column)
     try:
         result = balanced_kmeans(x, config.num_clusters, config.alpha, config.seed, config.niter)
     except ValueError as e:
@@ -89,6 +97,7 @@ def balanced_clusters(
         seconds=round(seconds, 3),
         selection_seconds=round(embeddings.selection_seconds + seconds, 2),
         num_clusters=config.num_clusters,
+        representation=config.representation,
         cap=result.cap,
         cluster_sizes=result.sizes.tolist(),
         kmeans_cluster_sizes=result.kmeans_sizes.tolist(),

@@ -15,9 +15,11 @@ from cluster_pipeline.core.layout import SHARED_EVAL_DIR
 from cluster_pipeline.core.report import (
     dataset_benchmarks,
     evaluate_entries,
+    item_scores_frame,
     model_entries,
     render_report,
 )
+from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource
 from cluster_pipeline.defs.stages import stage_asset
@@ -108,13 +110,26 @@ def eval_report(
         trained.selection_seconds,
     )
     path = report.write(layout.reports_dir(dataset))
+    scores = write_table(item_scores_frame(results), layout.table_uri("eval_item_scores", dataset))
     context.log.info(report.summary)
+    current_group = next(r.group for r in results if r.current)
     record = EvalReportRecord(
+        item_scores=scores,
+        verdicts=[
+            {
+                k: v
+                for k, v in c.to_dict().items()
+                if k in ("reference", "metric", "difference", "low", "high", "verdict")
+            }
+            for c in report.comparisons
+            if c.candidate == current_group
+        ],
         report_path=str(path),
         checkpoint_path=str(current.path),
         models_compared=len(results),
         train_seconds=round(report.train_seconds, 2),
-        full_training_estimate_seconds=round(report.full_training_estimate_seconds, 2),
+        full_training_seconds=round(report.full_training_seconds, 2),
+        full_training_measured=report.full_training_measured,
         data_fraction=report.data_fraction,
         base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
         tuned={

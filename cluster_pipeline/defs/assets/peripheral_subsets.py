@@ -3,11 +3,14 @@
 import time
 
 import dagster as dg
+import numpy as np
 import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core import plots
+from cluster_pipeline.core.embedding import l2_normalise
 from cluster_pipeline.core.selection import Selector, per_cluster_summary, select
+from cluster_pipeline.core.statistics import gradient_diversity
 from cluster_pipeline.core.tables import markdown_preview, rows_for, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import (
@@ -17,6 +20,7 @@ from cluster_pipeline.defs.records import (
 )
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.training.embed import REPRESENTATIONS
 
 
 class PeripheralSubsetsConfig(dg.Config):
@@ -71,9 +75,25 @@ def peripheral_subsets(
     )
     table = write_table(frame, storage.layout.table_uri("peripheral_subsets", dataset))
     seconds = time.perf_counter() - start
+    # The embeddings that were clustered: gradient diversity of the subset as trained, and the
+    # PCA map in the representation the clusters were built on.
+    embeddings = clusters.inputs["proxy_embeddings"]
+    ids, gradients = embeddings.read_vectors("embedding", keep="skip_reason")
+    gradients = rows_for(ids, gradients, frame["sample_id"])
+    trained = np.repeat(np.arange(frame.height), result.copies)
+    diversity = gradient_diversity(gradients[trained])
+    pool_diversity = gradient_diversity(gradients)
+    if clusters.representation == "gradient_proxy":
+        mapped = l2_normalise(gradients)
+    else:
+        ids, mapped = embeddings.read_vectors(
+            f"{REPRESENTATIONS[clusters.representation]}_normalised", keep="skip_reason"
+        )
+        mapped = rows_for(ids, mapped, frame["sample_id"])
     context.log.info(
         f"{config.selector} r={config.ratio}: {result.n_selected} of {frame.height} samples "
-        f"({100 * result.data_fraction:.1f}%)"
+        f"({100 * result.data_fraction:.1f}%), gradient diversity {diversity:.4f} "
+        f"(pool {pool_diversity:.4f})"
     )
     record = PeripheralSubsetsRecord(
         table=table,
@@ -88,13 +108,10 @@ def peripheral_subsets(
         selected_samples=result.n_selected,
         data_fraction=round(result.data_fraction, 4),
         cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
+        gradient_diversity=round(diversity, 6),
+        pool_gradient_diversity=round(pool_diversity, 6),
     )
-    ids, matrix = clusters.inputs["proxy_embeddings"].read_vectors(
-        "embedding_normalised", keep="skip_reason"
-    )
-    map_png = plots.pca_map(
-        rows_for(ids, matrix, frame["sample_id"]), frame["cluster"].to_numpy(), result.selected
-    )
+    map_png = plots.pca_map(mapped, frame["cluster"].to_numpy(), result.selected)
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),

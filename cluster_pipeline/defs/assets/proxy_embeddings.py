@@ -14,6 +14,7 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 from cluster_pipeline.training.embed import (
+    CHUNK_FORMAT,
     assemble_table,
     chunks_done,
     n_chunks,
@@ -50,7 +51,9 @@ def proxy_embeddings(
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     """One row per training sample: ``embedding`` e = (1/T) sum_t (p_t - 1) h_t (float32,
-    hidden size d), ``embedding_normalised`` (L2), ``mean_loss`` (nats/token),
+    hidden size d), ``embedding_normalised`` (L2), ``hidden_mean`` (1/T) sum_t h_t and
+    ``hidden_mean_normalised`` (a second representation from the same pass), ``mean_loss``
+    (nats/token),
     ``n_response_tokens`` T, ``n_tokens``, ``truncated``, and ``skip_reason`` for samples with no
     response token (their embeddings are null and they are never clustered).
     docs/design.md, step 1.
@@ -63,7 +66,9 @@ def proxy_embeddings(
     ].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
-    key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), sample_ids)
+    key = stable_hash(
+        model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT, sample_ids
+    )
     chunk_dir = layout.embedding_cache_dir(dataset, key)
     if config.recompute:
         shutil.rmtree(chunk_dir, ignore_errors=True)

@@ -84,6 +84,9 @@ def trained_checkpoint(
             "selection_seed": subsets.seed,
             "data_fraction": subsets.data_fraction,
             "pool_size": subsets.pool_size,
+            "gradient_diversity": subsets.gradient_diversity,
+            "selection_seconds": shards.selection_seconds,
+            "training_seed": settings.seed,
             **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
         },
     )
