@@ -55,8 +55,12 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     from cluster_pipeline.core.clustering import balanced_kmeans
     from cluster_pipeline.core.datasets import build_instruction_table
     from cluster_pipeline.core.embedding import l2_normalise
-    from cluster_pipeline.core.evaluation import EvalSettings, evaluate_model, load_humaneval
-    from cluster_pipeline.core.evaluation import ItemScores
+    from cluster_pipeline.core.evaluation import (
+        EvalSettings,
+        ItemScores,
+        evaluate_model,
+        load_humaneval,
+    )
     from cluster_pipeline.core.modeling import load_model_and_tokenizer
     from cluster_pipeline.core.report import ModelResult, aggregate, compare_groups
     from cluster_pipeline.core.selection import select
