@@ -65,19 +65,23 @@ dev: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
 
-# Checkpoints of other selectors on the same dataset and budget, then the comparison report.
-# Each selector x seed re-runs peripheral_subsets -> shard_manifests -> trained_checkpoint with
-# the main job's settings (full data takes about twice as long as r = 0.5).
+# Checkpoints of other selectors, ratios and seeds on the same dataset, then the comparison
+# report (paired intervals and verdicts against random_global at the same ratio, full data and
+# the base model). Each selector x ratio x seed re-runs peripheral_subsets -> shard_manifests ->
+# trained_checkpoint with the main job's settings; the seed is both the selection and the
+# training seed; full data ignores the ratio and takes about twice as long as r = 0.5.
 SELECTORS ?= random_global core
+RATIOS ?= 0.5
 SEEDS ?= 0
 COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
 compare: setup
 	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
-	for sel in $(SELECTORS); do for seed in $(SEEDS); do \
-		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) > .compare_config.yaml && \
+	for sel in $(SELECTORS); do for ratio in $(RATIOS); do for seed in $(SEEDS); do \
+		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) --ratio $$ratio \
+			> .compare_config.yaml && \
 		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
-	done; done
+	done; done; done
 	$(BIN)/cluster-pipeline compare-config peripheral 0 $(COMPARE_TRAIN),eval_report > .compare_config.yaml
 	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 		--select $(COMPARE_TRAIN),eval_report -c .compare_config.yaml

@@ -1,6 +1,6 @@
-"""Print the run config for one selector x seed of ``make compare`` (YAML on stdout).
+"""Print the run config for one selector x ratio x seed of ``make compare`` (YAML on stdout).
 
-    cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
+    cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...] [--ratio R]
 
 The main job's defaults (``defs/run_config/cpu_quick.yaml``) with the selector and seeds
 replaced; only the listed assets' config is printed (Dagster refuses config for assets not in
@@ -18,16 +18,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("selector", choices=SELECTORS)
     parser.add_argument("seed", type=int)
     parser.add_argument("assets", help="comma-separated asset names of the run")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="selection ratio r (default: the main job's; full data uses 1)",
+    )
 
 
-def compare_config(selector: str, seed: int, assets: set[str]) -> dict:
-    """The run config of one selector x seed (see the module docstring)."""
+def compare_config(selector: str, seed: int, assets: set[str], ratio: float | None = None) -> dict:
+    """The run config of one selector x ratio x seed (see the module docstring): the seed is
+    both the selection seed and the training seed (data order)."""
     from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
 
     ops = {k: dict(v) for k, v in CPU_QUICK_CONFIG["ops"].items()}
-    ops["peripheral_subsets"] = {
-        "config": {**ops["peripheral_subsets"]["config"], "selector": selector, "seed": seed}
-    }
+    subsets = {**ops["peripheral_subsets"]["config"], "selector": selector, "seed": seed}
+    if selector == "full":
+        subsets["ratio"] = 1.0
+    elif ratio is not None:
+        subsets["ratio"] = ratio
+    ops["peripheral_subsets"] = {"config": subsets}
     ops["trained_checkpoint"] = {"config": {**ops["trained_checkpoint"]["config"], "seed": seed}}
     return {
         "ops": {k: v for k, v in ops.items() if k in assets},
@@ -36,4 +46,5 @@ def compare_config(selector: str, seed: int, assets: set[str]) -> dict:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    print(yaml.safe_dump(compare_config(args.selector, args.seed, set(args.assets.split(",")))))
+    assets = set(args.assets.split(","))
+    print(yaml.safe_dump(compare_config(args.selector, args.seed, assets, args.ratio)))

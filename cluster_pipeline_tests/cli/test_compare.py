@@ -1,0 +1,37 @@
+"""make compare's run configs: selector x ratio x seed over the main job's settings."""
+
+import yaml
+
+from cluster_pipeline.cli.compare import compare_config
+from cluster_pipeline.cli.main import main
+from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
+
+ASSETS = {"peripheral_subsets", "shard_manifests", "trained_checkpoint"}
+
+
+def test_seed_is_the_selection_and_the_training_seed_and_ratio_is_set():
+    cfg = compare_config("core", 2, ASSETS, ratio=0.25)["ops"]
+    assert cfg["peripheral_subsets"]["config"] == {"selector": "core", "ratio": 0.25, "seed": 2}
+    train = cfg["trained_checkpoint"]["config"]
+    assert train == {**CPU_QUICK_CONFIG["ops"]["trained_checkpoint"]["config"], "seed": 2}
+    assert set(cfg) == {"peripheral_subsets", "trained_checkpoint"}  # shard_manifests: defaults
+
+
+def test_full_data_ignores_the_ratio_and_the_default_ratio_is_the_main_jobs():
+    assert (
+        compare_config("full", 0, ASSETS, ratio=0.25)["ops"]["peripheral_subsets"]["config"][
+            "ratio"
+        ]
+        == 1.0
+    )
+    default = CPU_QUICK_CONFIG["ops"]["peripheral_subsets"]["config"]["ratio"]
+    assert (
+        compare_config("random_global", 0, ASSETS)["ops"]["peripheral_subsets"]["config"]["ratio"]
+        == default
+    )
+
+
+def test_the_cli_prints_yaml(capsys):
+    main(["compare-config", "random_global", "1", "peripheral_subsets", "--ratio", "0.75"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["ops"]["peripheral_subsets"]["config"]["ratio"] == 0.75
