@@ -46,5 +46,10 @@ def compare_config(selector: str, seed: int, assets: set[str], ratio: float | No
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from cluster_pipeline.defs.stages import STAGES
+
     assets = set(args.assets.split(","))
+    unknown = sorted(assets - set(STAGES))
+    if unknown:
+        parser.error(f"unknown asset(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
     print(yaml.safe_dump(compare_config(args.selector, args.seed, assets, args.ratio)))

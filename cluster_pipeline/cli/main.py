@@ -17,7 +17,7 @@ COMMANDS = {"datasets": register, "lineage": trace, "compare-config": compare}
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends a listing quietly
     parser = argparse.ArgumentParser(
-        prog="cluster-pipeline", description=(__doc__ or "").splitlines()[0]
+        prog="cluster-pipeline", description=(__doc__ or "").split("\n\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, module in COMMANDS.items():

@@ -35,3 +35,12 @@ def test_the_cli_prints_yaml(capsys):
     main(["compare-config", "random_global", "1", "peripheral_subsets", "--ratio", "0.75"])
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["ops"]["peripheral_subsets"]["config"]["ratio"] == 0.75
+
+
+def test_an_unknown_asset_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare-config", "core", "0", "peripheral_subsets,nosuch_asset"])
+    assert exit_.value.code == 2
+    assert "unknown asset(s) nosuch_asset; choose from raw_instructions" in capsys.readouterr().err
