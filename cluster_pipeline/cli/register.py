@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from cluster_pipeline.core.datasets import discover_datasets
+from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
 from cluster_pipeline.core.layout import PROJECT_ROOT, DataLayout, default_data_dir
 from cluster_pipeline.defs.partitions import DATASETS
 
@@ -36,6 +36,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     raw_dir = DataLayout.at(args.data_dir).raw_dir
     found = discover_datasets(raw_dir)
+    refused = refused_datasets(raw_dir)
+    if args.require and args.require in refused:
+        sys.exit(f"dataset {args.require!r} cannot be registered: {refused[args.require]}.")
     if args.require and args.require not in found:
         sys.exit(
             f"dataset {args.require!r} not found: no folder {raw_dir / args.require} with .json, "
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         known = set(instance.get_dynamic_partitions(DATASETS))
         new = [n for n in found if n not in known]
         if args.action == "sync":
+            for name, reason in refused.items():
+                print(f"skipping data/raw/{name}/: {reason}", file=sys.stderr)
             if new:
                 instance.add_dynamic_partitions(DATASETS, new)
                 print(f"registered new dataset partitions: {', '.join(new)}")
@@ -58,3 +63,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             return
         for name in found:
             print(f"{name}\t{'not registered (run sync)' if name in new else 'registered'}")
+        for name in sorted(known - set(found)):
+            print(f"{name}\tregistered, but its folder {raw_dir / name} is gone (its tables stay)")
+        for name, reason in refused.items():
+            print(f"{name}\trefused: {reason}")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -19,8 +18,6 @@ import polars as pl
 from cluster_pipeline.core.formats import Sample, data_files, read_dataset_folder
 from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 INSTRUCTION_SCHEMA = {
     "sample_id": pl.String,
@@ -34,21 +31,46 @@ INSTRUCTION_SCHEMA = {
 }
 
 
+# What Dagster refuses in a partition key (dagster/_core/definitions/partitions/utils/base.py).
+_INVALID_KEY_PARTS = ("...", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0")
+
+
+def dataset_name_problem(name: str) -> str | None:
+    """Why a folder name cannot be a dataset partition, or None if it can. Every name Dagster
+    accepts as a partition key is accepted (spaces and accents included), except hidden folders
+    and the built-in dataset's name."""
+    if name.startswith("."):
+        return "hidden folders (name starting with '.') are not datasets"
+    if name == STDLIB_DATASET:
+        return f"{STDLIB_DATASET!r} is the built-in dataset's name; rename the folder"
+    bad = [repr(part) for part in _INVALID_KEY_PARTS if part in name]
+    if bad:
+        return f"Dagster partition keys cannot contain {', '.join(bad)}; rename the folder"
+    return None
+
+
+def _data_folders(raw_dir: Path) -> list[Path]:
+    if not raw_dir.is_dir():
+        return []
+    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and data_files(c)]
+
+
 def discover_datasets(raw_dir: Path) -> list[str]:
     """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
-    that holds at least one data file (an ``eval.json`` alone does not count). Sorted,
-    built-in first."""
-    names = []
-    if raw_dir.is_dir():
-        for child in sorted(raw_dir.iterdir()):
-            if (
-                child.is_dir()
-                and _NAME_RE.match(child.name)
-                and child.name != STDLIB_DATASET
-                and data_files(child)
-            ):
-                names.append(child.name)
+    that holds at least one data file (an ``eval.json`` alone does not count) and whose name
+    can be a partition key (:func:`dataset_name_problem`). Sorted, built-in first."""
+    names = [c.name for c in _data_folders(raw_dir) if dataset_name_problem(c.name) is None]
     return [STDLIB_DATASET, *names]
+
+
+def refused_datasets(raw_dir: Path) -> dict[str, str]:
+    """Folders with data files that cannot be partitions, with the reason."""
+    out = {}
+    for c in _data_folders(raw_dir):
+        reason = dataset_name_problem(c.name)
+        if reason is not None:
+            out[c.name] = reason
+    return out
 
 
 def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
@@ -71,11 +93,15 @@ def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
 
 @dataclass(frozen=True)
 class SplitStats:
+    """Counts of one ``raw_instructions`` build; ``records_per_file`` maps each source file
+    (relative to the dataset folder where possible) to the records read from it."""
+
     records: int
     duplicates: int
     train: int
     heldout: int
     train_available: int
+    records_per_file: dict[str, int] = field(default_factory=dict)
 
 
 def _order_key(seed: int, sid: str) -> str:
@@ -106,8 +132,10 @@ def build_instruction_table(
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     rows: dict[str, Sample] = {}
     records = 0
+    per_file: dict[str, int] = {}
     for s in samples:
         records += 1
+        per_file[s.source_file] = per_file.get(s.source_file, 0) + 1
         rows.setdefault(s.sample_id, s)
     n = len(rows)
     if n == 0:
@@ -136,7 +164,7 @@ def build_instruction_table(
         },
         schema=INSTRUCTION_SCHEMA,
     )
-    stats = SplitStats(records, records - n, n_train, n_heldout, train_available)
+    stats = SplitStats(records, records - n, n_train, n_heldout, train_available, per_file)
     return frame, stats
 
 

@@ -171,31 +171,93 @@ def normalise_record(record: object, source_file: str, source_line: int) -> Samp
     return Sample(prompt, response, system, form, source_file, source_line)
 
 
-def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
-    """Yield (line, record) for each element of a top-level JSON array, keeping line numbers."""
+_WHITESPACE = " \t\r\n"
+
+
+def _invalid(path: Path, e: json.JSONDecodeError, hint: str) -> DatasetFormatError:
+    return DatasetFormatError(
+        f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}). {hint}"
+    )
+
+
+def _iter_json_array(
+    path: Path, text: str, pos: int, line: int
+) -> Iterator[tuple[int, Any] | tuple[int, int]]:
+    """Yield (line, record) for each element of the JSON array opening at ``text[pos]``, then
+    (-1, position after its closing bracket). Line numbers are 1-based."""
     decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    line = 1 + text.count("\n", 0, pos)
+    pos += 1
     n = len(text)
     while True:
         start = pos
-        while pos < n and text[pos] in " \t\r\n,":
+        while pos < n and text[pos] in _WHITESPACE + ",":
             pos += 1
         line += text.count("\n", start, pos)
         if pos >= n:
             raise DatasetFormatError(f"{path}:{line}: the JSON array is not closed with ']'.")
         if text[pos] == "]":
+            yield -1, pos + 1
             return
         try:
             record, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise DatasetFormatError(
-                f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}). "
-                "Fix the file or move it out of the dataset folder."
+            raise _invalid(path, e, "Fix the file or move it out of the dataset folder.") from None
+        yield line, record
+        line += text.count("\n", pos, end)
+        pos = end
+
+
+def _iter_json_values(path: Path, text: str) -> Iterator[tuple[int, Any]]:
+    """Records of a .json file: one top-level object, one array of objects, or several such
+    values one after another (what ``cat a.json b.json`` makes); every value is read, and
+    anything else after a value is an error at its line."""
+    decoder = json.JSONDecoder()
+    pos, n, line = 0, len(text), 1
+    while True:
+        start = pos
+        while pos < n and text[pos] in _WHITESPACE:
+            pos += 1
+        line += text.count("\n", start, pos)
+        if pos >= n:
+            return
+        if text[pos] == "[":
+            for first, second in _iter_json_array(path, text, pos, line):
+                if first == -1:
+                    line += text.count("\n", pos, second)
+                    pos = second
+                else:
+                    yield first, second
+            continue
+        try:
+            record, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise _invalid(
+                path,
+                e,
+                "A .json file holds one JSON value (an array of records or one record) "
+                "or several in a row; fix or split the file.",
             ) from None
         yield line, record
         line += text.count("\n", pos, end)
         pos = end
+
+
+def _read_utf8(path: Path) -> str:
+    """The file as text; a UTF-8 byte-order mark is dropped.
+
+    Raises:
+        DatasetFormatError: the bytes are not UTF-8 (names the line and the byte).
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DatasetFormatError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}). "
+            "Save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`."
+        ) from None
 
 
 def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
@@ -212,17 +274,12 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
             frame = pl.read_parquet(path)
         except Exception as e:  # polars raises several types for corrupt files
             raise DatasetFormatError(f"{path}: cannot read Parquet file ({e}).") from e
-        for row, record in enumerate(frame.iter_rows(named=True), start=1):
-            yield row, record
+        yield from enumerate(frame.iter_rows(named=True), start=1)
         return
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetFormatError(
-            f"{path}: not UTF-8 text ({e}); re-encode the file as UTF-8."
-        ) from e
+    text = _read_utf8(path)
     if suffix == ".jsonl":
-        for lineno, raw in enumerate(text.splitlines(), start=1):
+        # Lines end at "\n" only: U+2028 and friends may sit inside JSON strings.
+        for lineno, raw in enumerate(text.split("\n"), start=1):
             if not raw.strip():
                 continue
             try:
@@ -234,15 +291,7 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
                 ) from None
         return
     if suffix == ".json":
-        stripped = text.lstrip()
-        if stripped.startswith("["):
-            yield from _iter_json_array(path, text)
-            return
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DatasetFormatError(f"{path}:{e.lineno}: invalid JSON ({e.msg}).") from None
-        yield 1 + text.count("\n", 0, len(text) - len(stripped)), record
+        yield from _iter_json_values(path, text)
         return
     raise DatasetFormatError(f"{path}: unsupported suffix; use one of {SUPPORTED_SUFFIXES}.")
 

@@ -12,12 +12,19 @@
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
 
 The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
-(docs/design.md, "Storage layout").
+(docs/design.md, "Storage layout"). Generated paths name a dataset by :func:`storage_name`: the
+name itself when it is plain ASCII (letters, digits, ``._-``), else a readable ASCII form with a
+hash of the name (``my data`` -> ``my_data-b2167b0a``), because Delta and Parquet readers take
+paths as URLs and mangle spaces and accents. Inputs stay under ``raw/<name>/`` as the user named
+them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +32,19 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR_ENV = "CLUSTER_PIPELINE_DATA_DIR"
 # Public evaluation sets shipped beside the project on its build machines (absent elsewhere).
 SHARED_EVAL_DIR = PROJECT_ROOT.parent / "shared" / "datasets" / "eval"
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def storage_name(dataset: str) -> str:
+    """The folder name of a dataset's generated files (module docstring). Distinct names give
+    distinct folders."""
+    if _PLAIN.match(dataset) and not dataset.startswith("."):
+        return dataset
+    ascii_ = unicodedata.normalize("NFKD", dataset).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ascii_).strip("._") or "dataset"
+    return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
 
 
 def default_data_dir() -> str:
@@ -56,19 +76,19 @@ class DataLayout:
 
     def table_uri(self, asset: str, dataset: str) -> str:
         """The Delta table of stage ``asset`` for ``dataset`` (every version lives there)."""
-        return str(self.root / "tables" / asset / dataset)
+        return str(self.root / "tables" / asset / storage_name(dataset))
 
     def embedding_cache_dir(self, dataset: str, key: str) -> Path:
-        return self.root / "cache" / "embeddings" / dataset / key
+        return self.root / "cache" / "embeddings" / storage_name(dataset) / key
 
     def shards_dir(self, dataset: str, manifest_set_sha256: str) -> Path:
-        return self.root / "shards" / dataset / manifest_set_sha256[:16]
+        return self.root / "shards" / storage_name(dataset) / manifest_set_sha256[:16]
 
     def checkpoints_dir(self, dataset: str) -> Path:
-        return self.root / "checkpoints" / dataset
+        return self.root / "checkpoints" / storage_name(dataset)
 
     def reports_dir(self, dataset: str) -> Path:
-        return self.root / "reports" / dataset
+        return self.root / "reports" / storage_name(dataset)
 
     def eval_cache_dir(self, dataset: str) -> Path:
         return self.reports_dir(dataset) / "evals"

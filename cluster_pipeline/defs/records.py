@@ -119,6 +119,7 @@ class RawInstructionsRecord(ChainRecord):
     forms: dict[str, int]
     benchmarks: list[str]
     mean_response_chars: float
+    records_per_file: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from cluster_pipeline.core.datasets import discover_datasets
+from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
 from cluster_pipeline.defs.partitions import DATASETS, dataset_partitions
 from cluster_pipeline.defs.resources import StorageResource
 
@@ -11,8 +11,11 @@ from cluster_pipeline.defs.resources import StorageResource
 def dataset_folders_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     """Adds a ``datasets`` partition for ``python_stdlib`` and for each new folder
     ``data/raw/<name>/`` holding .json/.jsonl/.parquet files. Removing a folder deletes nothing."""
+    raw_dir = storage.layout.raw_dir
+    for name, reason in refused_datasets(raw_dir).items():
+        context.log.warning(f"data/raw/{name}/ is not a dataset partition: {reason}")
     known = set(context.instance.get_dynamic_partitions(DATASETS))
-    new = [name for name in discover_datasets(storage.layout.raw_dir) if name not in known]
+    new = [name for name in discover_datasets(raw_dir) if name not in known]
     if not new:
         return dg.SkipReason("no new dataset folders")
     context.log.info(f"adding dataset partitions {new}")

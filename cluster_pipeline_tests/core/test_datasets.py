@@ -4,10 +4,16 @@ import ast
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pytest
 
-from cluster_pipeline.core.datasets import build_instruction_table, discover_datasets
+from cluster_pipeline.core.datasets import (
+    build_instruction_table,
+    discover_datasets,
+    refused_datasets,
+)
 from cluster_pipeline.core.formats import Sample
+from cluster_pipeline.core.layout import storage_name
 from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
 
 
@@ -118,3 +124,39 @@ def test_eval_json_is_settings_not_data(tmp_path):
     (folder / "sub" / "eval.json").write_text('[{"problem": "p", "solution": "s"}]')
     assert discover_datasets(tmp_path) == ["python_stdlib", "med"]
     assert [s.prompt for s in read_dataset_folder(folder)] == ["i", "p"]
+
+
+def test_every_partition_key_dagster_accepts_is_a_dataset(tmp_path):
+    raw = tmp_path / "raw"
+    for name in ["my data", "données", ".hidden", "python_stdlib", "a...b"]:
+        (raw / name).mkdir(parents=True)
+        (raw / name / "d.jsonl").write_text('{"problem": "a", "solution": "b"}\n')
+    assert discover_datasets(raw) == ["python_stdlib", "données", "my data"]
+    assert refused_datasets(raw) == {
+        ".hidden": "hidden folders (name starting with '.') are not datasets",
+        "a...b": "Dagster partition keys cannot contain '...'; rename the folder",
+        "python_stdlib": "'python_stdlib' is the built-in dataset's name; rename the folder",
+    }
+    # The same rule as Dagster's own check (core/ does not import dagster, so it keeps a copy).
+    from dagster._core.definitions.partitions.utils.base import (
+        raise_error_on_invalid_partition_key_substring,
+    )
+
+    raise_error_on_invalid_partition_key_substring(discover_datasets(raw))
+    with pytest.raises(dg.DagsterInvalidDefinitionError):
+        raise_error_on_invalid_partition_key_substring(["a...b"])
+
+
+def test_storage_names_are_plain_ascii_and_distinct():
+    assert storage_name("med_v2.1") == "med_v2.1"
+    assert storage_name("my data") == "my_data-b2167b0a"
+    assert storage_name("données") == "donnees-a0831764"
+    assert storage_name("my_data") != storage_name("my data")
+
+
+def test_records_per_file_counts_each_source():
+    samples = [
+        Sample(f"p{i}", "r", "", "alpaca", "a.json" if i < 2 else "b.json", i) for i in range(5)
+    ]
+    _, stats = build_instruction_table(samples, 0.0, None, None, 0)
+    assert stats.records_per_file == {"a.json": 2, "b.json": 3}

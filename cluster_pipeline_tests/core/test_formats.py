@@ -128,3 +128,63 @@ def test_shared_pools_read_completely(tmp_path, name, count, form):
         assert json.loads(text[s.source_line - 1])["output"] == s.response
     else:
         assert text[s.source_line - 1].strip() == "{"
+
+
+def _three(first: str) -> str:
+    """A pretty-printed JSON array of three records, four lines each plus brackets."""
+    records = [{"problem": f"{first}{i}", "solution": "s"} for i in range(3)]
+    return json.dumps(records, indent=1) + "\n"
+
+
+def test_concatenated_json_arrays_are_all_read(tmp_path):
+    # `cat a.json b.json > c.json`: two top-level arrays. Each record opens on line 2, 6, 10
+    # of its array (json.dumps indent=1 puts each record over 4 lines); b starts on line 15.
+    path = tmp_path / "c.json"
+    path.write_text(_three("a") + _three("b"))
+    got = [(line, r["problem"]) for line, r in iter_file_records(path)]
+    assert got == [(2, "a0"), (6, "a1"), (10, "a2"), (16, "b0"), (20, "b1"), (24, "b2")]
+    assert len(list(read_dataset_folder(tmp_path))) == 6
+
+
+def test_concatenated_json_objects_are_all_read(tmp_path):
+    path = tmp_path / "objs.json"
+    path.write_text('{"problem": "a", "solution": "b"}\n{"problem": "c", "solution": "d"}\n')
+    assert [(line, r["problem"]) for line, r in iter_file_records(path)] == [(1, "a"), (2, "c")]
+
+
+def test_text_after_the_top_level_value_is_an_error_at_its_line(tmp_path):
+    path = tmp_path / "tail.json"
+    path.write_text('[{"problem": "a", "solution": "b"}]\nhello\n')
+    with pytest.raises(DatasetFormatError, match=r"tail\.json:2: invalid JSON \(Expecting value"):
+        list(iter_file_records(path))
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_utf8_byte_order_mark_is_accepted(tmp_path, suffix):
+    path = tmp_path / f"bom{suffix}"
+    body = '{"problem": "café", "solution": "b"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert [(line, r["problem"]) for line, r in iter_file_records(path)] == [(1, "café")]
+
+
+def test_latin1_file_names_line_byte_and_remedy(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(
+        b'{"problem": "a", "solution": "b"}\n{"problem": "caf\xe9", "solution": "b"}\n'
+    )
+    with pytest.raises(DatasetFormatError) as e:
+        list(iter_file_records(path))
+    assert str(e.value) == (
+        f"{path}:2: not UTF-8 text (byte 0xe9 at column 17). Save the file as UTF-8, "
+        "e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`."
+    )
+
+
+def test_jsonl_lines_split_on_newline_only(tmp_path):
+    # U+2028 (LINE SEPARATOR) is legal inside a JSON string; str.splitlines() would cut there.
+    path = tmp_path / "ls.jsonl"
+    path.write_text('{"problem": "a\u2028b", "solution": "c"}\n{"problem": "d", "solution": "e"}\n')
+    assert [(line, r["problem"]) for line, r in iter_file_records(path)] == [
+        (1, "a\u2028b"),
+        (2, "d"),
+    ]

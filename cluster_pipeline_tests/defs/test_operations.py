@@ -74,6 +74,62 @@ def test_datasets_cli_refuses_an_unknown_dataset(tmp_path):
     assert "dataset 'nosuch' not found: no folder" in out.stderr and "python_stdlib" in out.stderr
 
 
+def _datasets_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_pipeline.cli", "datasets", *args],
+        capture_output=True,
+        text=True,
+        env={"DAGSTER_HOME": str(home), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_folder_names_with_spaces_and_accents_are_datasets(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "my data" / "a.jsonl", tiny_records(3))
+    write_jsonl(data / "raw" / "données" / "b.jsonl", tiny_records(4))
+    write_jsonl(data / "raw" / ".hidden" / "c.jsonl", tiny_records(2))
+    d = ["--data-dir", str(data)]
+    out = _datasets_cli(tmp_path, "sync", "--require", "my data", *d)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "registered new dataset partitions: python_stdlib, données, my data\n"
+    assert "skipping data/raw/.hidden/: hidden folders" in out.stderr
+    refused = _datasets_cli(tmp_path, "sync", "--require", ".hidden", *d)
+    assert refused.returncode == 1
+    assert "dataset '.hidden' cannot be registered: hidden folders" in refused.stderr
+    (data / "raw" / "my data" / "a.jsonl").unlink()
+    (data / "raw" / "my data").rmdir()
+    listed = _datasets_cli(tmp_path, "list", *d).stdout.splitlines()
+    assert listed == [
+        "python_stdlib\tregistered",
+        "données\tregistered",
+        f"my data\tregistered, but its folder {data / 'raw' / 'my data'} is gone (its tables stay)",
+        ".hidden\trefused: hidden folders (name starting with '.') are not datasets",
+    ]
+
+
+def test_raw_instructions_of_an_accented_dataset_counts_records_per_file(tmp_path):
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "données" / "a.jsonl", tiny_records(7)[:3])
+    write_jsonl(data / "raw" / "données" / "sub" / "b.jsonl", tiny_records(7)[3:])
+    res = {"storage": StorageResource(data_dir=str(data))}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["données"])
+        assert dg.materialize(
+            [raw_instructions], partition_key="données", instance=instance, resources=res
+        ).success
+        assert meta(instance, "raw_instructions", "données")["records_per_file"] == {
+            "a.jsonl": 3,
+            "sub/b.jsonl": 4,
+        }
+        table = pl.read_delta(
+            StorageResource(data_dir=str(data)).layout.table_uri("raw_instructions", "données")
+        )
+        assert table.height == 7
+        assert (data / "tables" / "raw_instructions" / "donnees-a0831764").is_dir()
+
+
 @pytest.mark.slow
 def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, capsys):
     storage = StorageResource(data_dir=str(tiny_data_dir))

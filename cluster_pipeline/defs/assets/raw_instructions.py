@@ -1,6 +1,7 @@
 """Stage 0: read one dataset partition into a Delta table and set aside the held-out split."""
 
 import time
+from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -32,6 +33,13 @@ class RawInstructionsConfig(dg.Config):
         description="Cap on the training pool N, a seeded subset (None = all). For quick runs.",
     )
     seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
+
+
+def _relative(path: str, folder: Path) -> str:
+    try:
+        return str(Path(path).relative_to(folder))
+    except ValueError:
+        return path
 
 
 @stage_asset("ingest", kinds={"polars", "deltalake"})
@@ -74,6 +82,9 @@ def raw_instructions(
         forms=dict(zip(forms["form"], forms["len"], strict=True)),
         benchmarks=list(benchmarks),
         mean_response_chars=round(mean_of(frame["response"].str.len_chars()), 1),
+        records_per_file={
+            _relative(f, layout.raw_dir / dataset): n for f, n in stats.records_per_file.items()
+        },
     )
     return dg.MaterializeResult(
         metadata={
