@@ -221,9 +221,9 @@ def step_failure(result: dg.ExecuteInProcessResult) -> tuple[str, dict]:
     return data.description, {k: v.value for k, v in data.metadata.items()}
 
 
-def read(instance, asset: str) -> pl.DataFrame:
+def read(instance, asset: str, partition: str = "tiny") -> pl.DataFrame:
     """The table version the latest materialization of ``asset`` recorded."""
-    m = meta(instance, asset)
+    m = meta(instance, asset, partition)
     return pl.read_delta(str(m["table_uri"]), version=int(m["table_version"]))
 
 

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import polars as pl
 
-from cluster_pipeline.core.formats import Sample, data_files, read_dataset_folder
+from cluster_pipeline.core.formats import (
+    FIELDS_CONFIG_NAME,
+    Sample,
+    data_files,
+    read_dataset_folder,
+)
 from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
 
@@ -28,6 +33,8 @@ INSTRUCTION_SCHEMA = {
     "form": pl.String,
     "source_file": pl.String,
     "source_line": pl.Int64,
+    # The whole conversation (JSON list of {role, content}) when it has more than one exchange.
+    "messages": pl.String,
 }
 
 
@@ -161,6 +168,7 @@ def build_instruction_table(
             "form": [s.form for _, s in kept],
             "source_file": [s.source_file for _, s in kept],
             "source_line": [s.source_line for _, s in kept],
+            "messages": [s.messages for _, s in kept],
         },
         schema=INSTRUCTION_SCHEMA,
     )
@@ -181,9 +189,21 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
         h.update(f"{sys.version}|{sys.prefix}".encode())
         return h.hexdigest()[:16]
     folder = raw_dir / dataset
-    for p in data_files(folder):
+    fields = folder / FIELDS_CONFIG_NAME
+    for p in [*data_files(folder), *([fields] if fields.exists() else [])]:
         h.update(f"{p.relative_to(folder)}\0".encode())
         with p.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]
+
+
+def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFrame:
+    """``columns`` of a ``raw_instructions`` table version. Versions written before the
+    ``messages`` column existed read it as null (single exchanges)."""
+    scan = pl.scan_delta(uri, version=version)
+    have = set(scan.collect_schema().names())
+    frame = scan.select([c for c in columns if c in have]).collect()
+    if "messages" in columns and "messages" not in have:
+        frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("messages"))
+    return frame.select(columns)

@@ -33,6 +33,7 @@ import json
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -42,7 +43,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import polars as pl
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from cluster_pipeline.core.embedding import embed_batch
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
@@ -50,10 +51,13 @@ from cluster_pipeline.core.sandbox import run_python
 from cluster_pipeline.core.tokenization import (
     ChatTemplateError,
     EncodedSample,
+    SequenceSettings,
     collate,
+    encode_rows,
     encode_sample,
     encode_texts,
     length_batches,
+    prompt_ids,
 )
 
 Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
@@ -109,28 +113,37 @@ def response_losses(
     return tokens, losses
 
 
+def sequence_counts(encoded: Sequence[EncodedSample]) -> dict[str, dict[str, int]]:
+    """``{"skipped": {reason: samples}, "truncated": {kind: samples}}`` of encoded samples
+    (:attr:`EncodedSample.skip_reason`, :attr:`EncodedSample.truncation_kind`)."""
+    skipped = Counter(e.skip_reason for e in encoded if e.skip_reason)
+    truncated = Counter(
+        e.truncation_kind for e in encoded if e.skip_reason is None and e.truncation_kind
+    )
+    return {"skipped": dict(sorted(skipped.items())), "truncated": dict(sorted(truncated.items()))}
+
+
 def heldout_loss(
     model,
     tokenizer,
     frame: pl.DataFrame,
-    max_length: int,
+    settings: SequenceSettings,
     max_batch_size: int = 8,
     max_batch_tokens: int = 8192,
 ) -> dict[str, Any]:
-    """Token-weighted mean response cross-entropy over ``frame`` (columns sample_id, system,
-    prompt, response).
+    """Token-weighted mean cross-entropy over the trained turns of ``frame`` (columns
+    sample_id, system, prompt, response, optionally messages), encoded as in training under
+    ``settings``.
 
     Returns ``loss`` (nats/token), ``perplexity``, ``tokens``, ``samples`` (those with at least
-    one response token after truncation to ``max_length``) and ``items``: the per-sample
-    :class:`ItemScores` of those samples (weight = response tokens).
+    one response token after truncation to ``max_length``), ``sequences``
+    (:func:`sequence_counts`) and ``items``: the per-sample :class:`ItemScores` of those
+    samples (weight = response tokens).
 
     Raises:
         ValueError: no held-out sample keeps a response token.
     """
-    encoded = [
-        encode_sample(tokenizer, s, p, r, max_length)
-        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"], strict=True)
-    ]
+    encoded = encode_rows(tokenizer, frame, settings)
     tokens, losses = response_losses(model, tokenizer, encoded, max_batch_size, max_batch_tokens)
     keep = tokens > 0
     if not keep.any():
@@ -151,6 +164,7 @@ def heldout_loss(
         "perplexity": math.exp(loss),
         "tokens": int(tokens.sum()),
         "samples": int(keep.sum()),
+        "sequences": sequence_counts(encoded),
         "items": items,
     }
 
@@ -384,7 +398,9 @@ def generate(
     stop_strings: Sequence[str] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Greedy completions of ``prompts`` (left-padded batches); returns the new text only."""
+    """Greedy completions of ``prompts`` (left-padded batches); returns the new text only.
+    Each prompt is tokenized as training inputs begin (:func:`prompt_ids`: BOS first without a
+    chat template)."""
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     original_side = tokenizer.padding_side
@@ -393,12 +409,8 @@ def generate(
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            enc = tokenizer(
-                [prompts[i] for i in idx],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=False,
-            ).to(device)
+            ids = [prompt_ids(tokenizer, prompts[i]) for i in idx]
+            enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True).to(device)
             kwargs = (
                 {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
             )
@@ -460,12 +472,11 @@ def code_pass_at_1(
     return pass1, records
 
 
-class EvalSettings(BaseModel):
-    """Knobs of one model's evaluation (the ``eval_report`` run config inherits them)."""
+class EvalSettings(SequenceSettings):
+    """Knobs of one model's evaluation (the ``eval_report`` run config inherits them); the
+    sequence knobs (max_length, truncation, response_turns) apply to the held-out loss as in
+    training."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_length: int = Field(default=512, ge=2, description="Max tokens per held-out sample.")
     batch_size: int = Field(default=8, ge=1, description="Samples per forward/generate batch.")
     # list[str], not list[Benchmark]: Dagster's run config cannot express a list of literals.
     benchmarks: list[str] | None = Field(
@@ -570,7 +581,7 @@ def evaluate_model(
     start = time.perf_counter()
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(path)
-    loss = heldout_loss(model, tokenizer, heldout, settings.max_length, settings.batch_size)
+    loss = heldout_loss(model, tokenizer, heldout, settings, settings.batch_size)
     metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
     items: dict[str, ItemScores] = {"heldout_loss": loss["items"]}
     details = {}
@@ -614,5 +625,6 @@ def evaluate_model(
         "items": {k: v.to_dict() for k, v in items.items()},
         "details": details,
         "heldout_tokens": loss["tokens"],
+        "heldout_sequences": loss["sequences"],
         "eval_seconds": time.perf_counter() - start,
     }

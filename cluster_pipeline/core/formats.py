@@ -1,20 +1,34 @@
-"""Reading instruction datasets in the common public forms into (prompt, response) samples.
+"""Reading instruction datasets in the common public forms into samples.
 
 Accepted record forms (docs/design.md, "Reading datasets"):
 
-========================  ==============================================================
-form                      fields
-========================  ==============================================================
-``alpaca``                ``instruction``, optional ``input``, ``output``
-``instruction_response``  ``instruction``, optional ``input``, ``response``
-``magicoder``             ``problem``, ``solution``
-``sharegpt``              ``conversations``: list of ``{"from": ..., "value": ...}``
-``openai``                ``messages``: list of ``{"role": ..., "content": ...}``
-========================  ==============================================================
+=============================  =========================================================
+form                           fields
+=============================  =========================================================
+``alpaca``                     ``instruction``, optional ``input``, ``output``
+``instruction_response``       ``instruction``, optional ``input``, ``response``
+``magicoder``                  ``problem``, ``solution``
+``prompt_completion``          ``prompt``, ``completion`` (TRL), both strings
+``sharegpt``                   ``conversations``: list of ``{"from": ..., "value": ...}``
+``openai``                     ``messages``: list of ``{"role": ..., "content": ...}``
+``prompt_completion_chat``     ``prompt``, ``completion`` (TRL), both message lists
+``text``                       ``text`` (language modelling: the whole text is trained)
+=============================  =========================================================
 
-Files may be JSONL (one record per line), JSON (a list of records, or one record) or Parquet.
-Every sample keeps the file and the 1-based line (Parquet: row) it came from, so a trained-on
-sample can be traced back to its source.
+Conversations keep their turn structure: a record with more than one user/assistant exchange,
+or with ``tool`` turns, keeps every turn (system, user, assistant, tool) in
+:attr:`Sample.messages`; ``prompt`` then shows the earlier turns flattened for reading and
+``response`` the last answer. Turns after the last assistant turn are dropped (nothing to learn
+from them). Roles: ``human``/``user``; ``gpt``/``assistant``/``model``/``function_call``;
+``system``; ``tool``/``function``/``observation``/``ipython`` (context, never trained).
+
+Files may be JSONL (one record per line), JSON (one record, an array of records, or several
+such values in a row), Parquet (any number of shards) or the Arrow files of a Hugging Face
+``datasets`` folder written by ``save_to_disk`` (its ``dataset_info.json``, ``state.json`` and
+``dataset_dict.json`` are metadata, not records). A ``fields.json`` file in the dataset folder
+renames fields before the forms are matched (``{"question": "instruction", "answer":
+"output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row) it came
+from, so a trained-on sample can be traced back to its source.
 """
 
 from __future__ import annotations
@@ -26,10 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
+SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 # A dataset folder's own settings (its evaluation benchmarks), never read as samples.
 EVAL_CONFIG_NAME = "eval.json"
-FORMS = ("alpaca", "instruction_response", "magicoder", "sharegpt", "openai")
+# A dataset folder's field renaming ({source field: accepted field}), never read as samples.
+FIELDS_CONFIG_NAME = "fields.json"
+# What `datasets.Dataset.save_to_disk` writes beside its Arrow files.
+HF_METADATA_NAMES = ("dataset_info.json", "state.json", "dataset_dict.json")
+FORMS = (
+    "alpaca",
+    "instruction_response",
+    "magicoder",
+    "prompt_completion",
+    "sharegpt",
+    "openai",
+    "prompt_completion_chat",
+    "text",
+)
 
 _ROLE_ALIASES = {
     "human": "user",
@@ -39,7 +66,12 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "chatgpt": "assistant",
     "bard": "assistant",
+    "function_call": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
 }
 
 
@@ -52,7 +84,10 @@ class Sample:
     """One normalised instruction sample.
 
     ``system`` is the system message of chat-form records (``""`` if none); ``prompt`` is the
-    user turn(s) and ``response`` the final assistant turn.
+    user turn (several turns flattened as ``"User: …\n\nAssistant: …"``) and ``response`` the
+    final assistant turn. ``messages`` is ``None`` for a single exchange, else the whole
+    conversation as JSON (a list of ``{"role", "content"}``, roles system/user/assistant/tool),
+    which is what is rendered and trained. ``text`` records have ``prompt == ""``.
     """
 
     prompt: str
@@ -61,10 +96,26 @@ class Sample:
     form: str
     source_file: str
     source_line: int
+    messages: str | None = None
 
     @property
     def sample_id(self) -> str:
         return sample_id(self.system, self.prompt, self.response)
+
+
+def conversation(
+    system: str, prompt: str, response: str, messages: str | None
+) -> list[dict[str, str]]:
+    """The message list a sample is rendered from: ``messages`` when set, else the single
+    exchange (system message if any, user ``prompt``, assistant ``response``); a ``text``
+    sample (empty prompt) is one assistant message, i.e. plain text."""
+    if messages:
+        return json.loads(messages)
+    out = [{"role": "system", "content": system}] if system else []
+    if prompt:
+        out.append({"role": "user", "content": prompt})
+    out.append({"role": "assistant", "content": response})
+    return out
 
 
 def sample_id(system: str, prompt: str, response: str) -> str:
@@ -95,6 +146,7 @@ def _text(value: object, field: str, where: str) -> str:
 
 
 def _from_turns(turns: object, role_key: str, text_key: str, form: str, where: str):
+    """(system, prompt, response, messages JSON or None) of a conversation record."""
     if not isinstance(turns, list) or not turns:
         raise DatasetFormatError(f"{where}: {form} record needs a non-empty list of turns.")
     normalised: list[tuple[str, str]] = []
@@ -114,20 +166,32 @@ def _from_turns(turns: object, role_key: str, text_key: str, form: str, where: s
     last_assistant = max((i for i, (r, _) in enumerate(normalised) if r == "assistant"), default=-1)
     if last_assistant < 0:
         raise DatasetFormatError(f"{where}: {form} record has no assistant turn to learn from.")
-    system = "\n\n".join(t for r, t in normalised[:last_assistant] if r == "system")
-    dialogue = [(r, t) for r, t in normalised[:last_assistant] if r != "system"]
-    if not dialogue:
+    kept = normalised[: last_assistant + 1]
+    system = "\n\n".join(t for r, t in kept[:last_assistant] if r == "system")
+    dialogue = [(r, t) for r, t in kept[:last_assistant] if r != "system"]
+    if not any(r == "user" for r, _ in dialogue):
         raise DatasetFormatError(f"{where}: {form} record has no user turn before its answer.")
     if len(dialogue) == 1:
-        prompt = dialogue[0][1]
-    else:
-        # Earlier turns are context for the last answer; keep them readable in one prompt.
-        prompt = "\n\n".join(f"{r.capitalize()}: {t}" for r, t in dialogue)
-    return system, prompt, normalised[last_assistant][1]
+        return system, dialogue[0][1], kept[-1][1], None
+    # Earlier turns are context for the last answer; keep them readable in one prompt (the
+    # sample id hashes this text, as before turns were kept).
+    prompt = "\n\n".join(f"{r.capitalize()}: {t}" for r, t in dialogue)
+    messages = json.dumps([{"role": r, "content": t} for r, t in kept], ensure_ascii=False)
+    return system, prompt, kept[-1][1], messages
 
 
-def normalise_record(record: object, source_file: str, source_line: int) -> Sample:
-    """Turn one raw record into a :class:`Sample`.
+_ACCEPTED = (
+    "Use instruction/input/output (Alpaca), instruction/response, problem/solution "
+    "(Magicoder), prompt/completion (TRL), conversations (ShareGPT), messages (OpenAI) or "
+    f"text; or map your fields onto these in {FIELDS_CONFIG_NAME} in the dataset folder."
+)
+
+
+def normalise_record(
+    record: object, source_file: str, source_line: int, fields: dict[str, str] | None = None
+) -> Sample:
+    """Turn one raw record into a :class:`Sample`. ``fields`` renames keys first
+    (``{"question": "instruction"}``, from the folder's ``fields.json``).
 
     Raises:
         DatasetFormatError: the record is not an object or matches none of :data:`FORMS`; the
@@ -138,16 +202,31 @@ def normalise_record(record: object, source_file: str, source_line: int) -> Samp
         raise DatasetFormatError(
             f"{where}: expected a JSON object per sample, got {type(record).__name__}."
         )
+    if fields:
+        record = {fields.get(k, k): v for k, v in record.items()}
+    messages = None
     if "messages" in record:
-        system, prompt, response = _from_turns(
-            record["messages"], "role", "content", "openai", where
-        )
         form = "openai"
-    elif "conversations" in record:
-        system, prompt, response = _from_turns(
-            record["conversations"], "from", "value", "sharegpt", where
+        system, prompt, response, messages = _from_turns(
+            record["messages"], "role", "content", form, where
         )
+    elif "conversations" in record:
         form = "sharegpt"
+        system, prompt, response, messages = _from_turns(
+            record["conversations"], "from", "value", form, where
+        )
+    elif "prompt" in record and "completion" in record:
+        head, tail = record["prompt"], record["completion"]
+        if isinstance(head, list) and isinstance(tail, list):
+            form = "prompt_completion_chat"
+            system, prompt, response, messages = _from_turns(
+                [*head, *tail], "role", "content", form, where
+            )
+        else:
+            form = "prompt_completion"
+            system = ""
+            prompt = _text(head, "prompt", where)
+            response = _text(tail, "completion", where)
     elif "instruction" in record and ("output" in record or "response" in record):
         form = "alpaca" if "output" in record else "instruction_response"
         instruction = _text(record["instruction"], "instruction", where)
@@ -160,15 +239,21 @@ def normalise_record(record: object, source_file: str, source_line: int) -> Samp
         prompt = _text(record["problem"], "problem", where)
         response = _text(record["solution"], "solution", where)
         system = ""
+    elif "text" in record:
+        text = _text(record["text"], "text", where)
+        if not text.strip():
+            raise DatasetFormatError(
+                f"{where}: the text is empty; remove the record or fill it in."
+            )
+        return Sample("", text, "", "text", source_file, source_line)
     else:
         raise DatasetFormatError(
-            f"{where}: record with keys {sorted(record)[:12]} matches no accepted form. "
-            "Use instruction/input/output (Alpaca), instruction/response, problem/solution "
-            "(Magicoder), conversations (ShareGPT) or messages (OpenAI)."
+            f"{where}: record with keys {sorted(map(str, record))[:12]} matches no accepted form. "
+            + _ACCEPTED
         )
     if not prompt.strip():
         raise DatasetFormatError(f"{where}: the prompt is empty; remove the record or fill it in.")
-    return Sample(prompt, response, system, form, source_file, source_line)
+    return Sample(prompt, response, system, form, source_file, source_line, messages)
 
 
 _WHITESPACE = " \t\r\n"
@@ -276,6 +361,18 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
             raise DatasetFormatError(f"{path}: cannot read Parquet file ({e}).") from e
         yield from enumerate(frame.iter_rows(named=True), start=1)
         return
+    if suffix == ".arrow":
+        import polars as pl
+
+        try:  # `datasets` writes the Arrow streaming format; other tools the file format.
+            frame = pl.read_ipc_stream(path)
+        except Exception:
+            try:
+                frame = pl.read_ipc(path)
+            except Exception as e:
+                raise DatasetFormatError(f"{path}: cannot read Arrow file ({e}).") from e
+        yield from enumerate(frame.iter_rows(named=True), start=1)
+        return
     text = _read_utf8(path)
     if suffix == ".jsonl":
         # Lines end at "\n" only: U+2028 and friends may sit inside JSON strings.
@@ -297,18 +394,51 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def data_files(folder: Path) -> list[Path]:
-    """The dataset's sample files under ``folder``, sorted: every .json/.jsonl/.parquet file
-    except the folder's own ``eval.json`` settings file."""
+    """The dataset's sample files under ``folder``, sorted: every .json/.jsonl/.parquet/.arrow
+    file except the folder's own settings (``eval.json``, ``fields.json``) and the metadata
+    files of a ``datasets.save_to_disk`` folder."""
     return sorted(
         p
         for p in folder.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and p != folder / EVAL_CONFIG_NAME
+        if p.is_file()
+        and p.suffix.lower() in SUPPORTED_SUFFIXES
+        and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
+        and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))
     )
+
+
+def _is_hf_folder(folder: Path) -> bool:
+    return any(folder.glob("*.arrow")) or (folder / "dataset_dict.json").exists()
+
+
+def read_fields(folder: Path) -> dict[str, str]:
+    """The folder's field renaming (``fields.json``), or ``{}``.
+
+    Raises:
+        DatasetFormatError: the file is not a JSON object of string -> string.
+    """
+    path = folder / FIELDS_CONFIG_NAME
+    if not path.exists():
+        return {}
+    try:
+        fields = json.loads(_read_utf8(path))
+    except json.JSONDecodeError as e:
+        raise _invalid(
+            path, e, 'It must be one object, e.g. {"question": "instruction"}.'
+        ) from None
+    if not isinstance(fields, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in fields.items()
+    ):
+        raise DatasetFormatError(
+            f"{path}: must map each of your field names to an accepted one, e.g. "
+            '{"question": "instruction", "answer": "output"}.'
+        )
+    return fields
 
 
 def read_dataset_folder(folder: Path) -> Iterator[Sample]:
     """Yield every sample of every data file (:func:`data_files`) under ``folder``, in sorted
-    path order.
+    path order, after the folder's field renaming (:func:`read_fields`).
 
     Raises:
         DatasetFormatError: the folder holds no data file, or a record is malformed.
@@ -319,6 +449,7 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
             f"{folder}: no {', '.join(SUPPORTED_SUFFIXES)} files found; put the dataset's files "
             "in this folder."
         )
+    fields = read_fields(folder)
     for path in files:
         for line, record in iter_file_records(path):
-            yield normalise_record(record, str(path), line)
+            yield normalise_record(record, str(path), line, fields)

@@ -122,14 +122,15 @@ def evaluate_entries(
     settings_key: str,
     current: str,
     log: Callable[[str], None] = print,
-) -> tuple[list[ModelResult], int]:
+) -> tuple[list[ModelResult], dict[str, Any]]:
     """Evaluate every entry with ``evaluate(path)`` (see
     :func:`~cluster_pipeline.core.evaluation.evaluate_model`), reusing ``cache`` entries keyed
     by model path + stamp and ``settings_key``.
 
-    Returns (one result per entry, in order; held-out response tokens of the last evaluation).
+    Returns (one result per entry, in order; ``{"tokens": held-out response tokens,
+    "sequences": skipped and truncated held-out samples}`` of the last evaluation).
     """
-    results, heldout_tokens = [], 0
+    results, heldout = [], {"tokens": 0, "sequences": {}}
     for entry in entries:
         key = f"{stable_hash(entry.cache_stamp(), length=12)}-{settings_key}"
         outcome = cache.get(key)
@@ -139,7 +140,10 @@ def evaluate_entries(
             log(f"evaluating {entry.name}: {entry.path}")
             outcome = evaluate(entry.path)
             cache.put(key, outcome)
-        heldout_tokens = outcome["heldout_tokens"]
+        heldout = {
+            "tokens": outcome["heldout_tokens"],
+            "sequences": outcome.get("heldout_sequences", {}),
+        }
         ckpt = entry.checkpoint
         prov = ckpt.provenance if ckpt else {}
         results.append(
@@ -160,7 +164,7 @@ def evaluate_entries(
                 loss_curve=ckpt.loss_curve() if ckpt else [],
             )
         )
-    return results, heldout_tokens
+    return results, heldout
 
 
 # Per-run quantities besides the metrics that the report aggregates over seeds.
@@ -479,6 +483,12 @@ class Report:
         return path
 
 
+def _sequence_note(sequences: dict[str, dict[str, int]]) -> str:
+    parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
+    parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def render_report(
     dataset: str,
     results: list[ModelResult],
@@ -488,6 +498,7 @@ def render_report(
     skipped: dict[str, str],
     selection_seconds: float,
     n_resamples: int = 2000,
+    heldout_sequences: dict[str, dict[str, int]] | None = None,
 ) -> Report:
     """Aggregate ``results`` (one must be ``current``), compare every group with its
     references, and render the report: the verdicts of the current run, the side-by-side table,
@@ -531,7 +542,9 @@ def render_report(
     sentences = verdict_sentences(comparisons, current_row["group"])
     summary = (
         f"## eval_report: `{dataset}`\n\n"
-        f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens. "
+        f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
+        + _sequence_note(heldout_sequences or {})
+        + ". "
         f"Benchmarks: {', '.join(f'{k} ({v})' for k, v in suite_sizes.items()) or 'none'}"
         + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else "")
         + ". Greedy decoding; bold = the checkpoint of this run; ± = std over seeds.\n\n"

@@ -1,39 +1,101 @@
-"""Turning a (system, prompt, response) sample into token ids and a response-only label mask.
+"""Turning a conversation into token ids and a label mask that covers the assistant turns.
 
-The response is masked through the tokenizer's chat template when it has one: the prompt text is
-the template rendered with ``add_generation_prompt=True``, the response text is what the full
-conversation adds after it (the answer plus the template's end-of-turn marker). Without a chat
-template, the prompt is ``prompt + "\\n"`` after the tokenizer's BOS and the response is
-``response`` followed by EOS. Prompt and response are tokenized separately and concatenated, so
-the label mask is exactly the response tokens.
+**Rendering.** With a chat template, the conversation (system, user, assistant and tool turns)
+is rendered by ``tokenizer.apply_chat_template``. Each trained assistant turn's span is what
+rendering the conversation through that turn adds after rendering the turns before it with
+``add_generation_prompt=True``: the answer plus the template's end-of-turn marker. Every span is
+checked to be a prefix of the next rendering; a template for which that fails raises
+:class:`ChatTemplateError`. Without a chat template the plain format is::
 
-Truncation to ``max_length`` keeps the start of the prompt and cuts the end of the response.
+    BOS [system "\n\n"] user "\n" assistant EOS user "\n" assistant EOS ...
+
+(tool turns are written like user turns) and each assistant text plus its EOS is trained. A
+conversation without a user turn (a ``text`` record) is language modelling: BOS, the text and
+EOS, all trained, with or without a template. Which assistant turns are trained is
+``response_turns``: ``"all"`` (default) or ``"last"``; tool turns and the template's own
+markers are never trained. Context and trained spans are tokenized separately and concatenated,
+so the label mask is exact.
+
+**Special-token text.** Message content is plain text: when a message holds the text of one of
+the tokenizer's added tokens (``<|im_end|>``, ``<|endoftext|>``, ...), the content is tokenized
+with ``split_special_tokens=True``, so only the template's own markers become special ids (the
+content's position inside the rendering is found by rendering placeholders in its place).
+
+**Truncation** to ``max_length`` tokens (``truncation``): the *prompt* is everything before
+the first trained token, the *response* everything from it on.
+
+* ``skip``: a prompt that fills the window skips the sample; otherwise the response's end is
+  cut.
+* ``left`` (default): the response keeps ``min(len(response), max_length // 2)`` tokens at
+  least; if the prompt leaves less, the start of the user text is dropped (the oldest user and
+  tool turns first, the system message and the template's head kept, so the end of the
+  question survives), then the response's end is cut. If the prompt cannot get within its
+  budget even with all that text gone, it is kept whole when it fits the window (the
+  response's end is cut, as under ``skip``) and the sample is skipped (``prompt_too_long``)
+  when it does not. ``left`` and ``proportional`` therefore keep every sample ``skip`` keeps.
+* ``proportional``: the window is split between prompt and response as LLaMA-Factory's
+  ``infer_seqlen`` does (a part shorter than half the window is kept whole; otherwise each gets
+  a share in proportion to its length); the prompt is shortened as under ``left`` (LLaMA-Factory
+  cuts its end instead, which would drop the template's generation prompt).
+
+A sample is skipped (``skip_reason``) when its trained turns are empty (``empty_response``),
+when no trained token fits (``no_response_tokens``), or when even the template head and system
+message leave no room (``prompt_too_long``).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 IGNORE_INDEX = -100
 
 SKIP_EMPTY_RESPONSE = "empty_response"
 SKIP_NO_RESPONSE_TOKENS = "no_response_tokens"
+SKIP_PROMPT_TOO_LONG = "prompt_too_long"
+
+Truncation = Literal["skip", "left", "proportional"]
+ResponseTurns = Literal["all", "last"]
+TRUNCATIONS: tuple[str, ...] = ("skip", "left", "proportional")
+
+
+class SequenceSettings(BaseModel):
+    """How a sample becomes one training sequence; the same in embedding, training and
+    held-out loss (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_length: int = Field(default=512, ge=2, description="Max tokens per sample.")
+    truncation: Truncation = Field(
+        default="left",
+        description="When a sample passes max_length: skip (drop it if the prompt fills the "
+        "window), left (drop the start of the user text, keep the template head and the end "
+        "of the question) or proportional (split the window between prompt and response as "
+        "LLaMA-Factory's cutoff does). The response's end is cut in every case.",
+    )
+    response_turns: ResponseTurns = Field(
+        default="all",
+        description="Which assistant turns of a multi-turn conversation are trained and "
+        "scored: all, or only the last.",
+    )
 
 
 class ChatTemplateError(ValueError):
-    """The chat template renders the prompt in a way that is not a prefix of the conversation."""
+    """The chat template cannot be split into exact context and assistant spans."""
 
 
 @dataclass(frozen=True)
 class EncodedSample:
-    """Token ids of one sample. ``labels[i] == IGNORE_INDEX`` outside the response.
+    """Token ids of one sample. ``labels[i] == IGNORE_INDEX`` outside the trained turns.
 
-    ``skip_reason`` is set (and the sample must not be embedded or trained on) when no response
-    token survives: ``"empty_response"`` or ``"no_response_tokens"`` (the prompt alone fills
-    ``max_length``).
+    ``skip_reason`` is set (and the sample must not be embedded or trained on) when no trained
+    token survives (module docstring). ``prompt_tokens_cut`` / ``response_tokens_cut`` count the
+    tokens truncation removed from the start of the user text and from the end.
     """
 
     input_ids: list[int]
@@ -41,75 +103,396 @@ class EncodedSample:
     n_response_tokens: int
     truncated: bool
     skip_reason: str | None = None
+    prompt_tokens_cut: int = 0
+    response_tokens_cut: int = 0
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def truncation_kind(self) -> str | None:
+        """``"prompt_start"``, ``"response_end"``, both joined by ``+``, or None."""
+        parts = [
+            name
+            for name, n in (
+                ("prompt_start", self.prompt_tokens_cut),
+                ("response_end", self.response_tokens_cut),
+            )
+            if n
+        ]
+        return "+".join(parts) or None
 
-def render_texts(tokenizer, system: str, prompt: str, response: str) -> tuple[str, str]:
-    """Split one conversation into (prompt text, response text) as the model sees them.
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of rendered text: ``label`` if trained; ``plain`` if it is message content that
+    must stay text (special-token strings split); ``end_ids`` are appended after its tokens."""
+
+    text: str
+    label: bool
+    plain: bool = False
+    end_ids: tuple[int, ...] = ()
+
+
+def sequence_start(tokenizer) -> list[int]:
+    """The ids every input opens with: none with a chat template (the template writes its own
+    head), else ``[BOS]`` when the tokenizer has one. Training, held-out loss and generation
+    prompts all begin this way."""
+    if getattr(tokenizer, "chat_template", None) or tokenizer.bos_token_id is None:
+        return []
+    return [tokenizer.bos_token_id]
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """Ids of a rendered prompt as a model input (generation): :func:`sequence_start`, then
+    ``text`` with the template's markers parsed as special tokens, exactly as training and
+    held-out inputs begin."""
+    return [*sequence_start(tokenizer), *tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _special_texts(tokenizer) -> list[str]:
+    return [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+
+
+def _trained(messages: list[dict], response_turns: str) -> list[int]:
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return turns[-1:] if response_turns == "last" else turns
+
+
+def _render(tokenizer, messages: list[dict], **kwargs) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2 TemplateError, or a template raising on a role
+        roles = [m["role"] for m in messages]
+        raise ChatTemplateError(
+            f"the chat template cannot render roles {roles}: {e}. Use a model whose template "
+            "accepts these turns, or map the tool turns away."
+        ) from e
+
+
+def _template_spans(tokenizer, messages: list[dict], trained: list[int]) -> tuple[str, list]:
+    """The rendered conversation and the (start, end) character span of each trained turn."""
+    full = _render(tokenizer, messages)
+    spans = []
+    for j in trained:
+        before = _render(tokenizer, messages[:j], add_generation_prompt=True)
+        through = full if j == len(messages) - 1 else _render(tokenizer, messages[: j + 1])
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ChatTemplateError(
+                f"the chat template does not render assistant turn {j} after the turns before "
+                "it (add_generation_prompt output is not a prefix of the conversation), so its "
+                "tokens cannot be masked exactly. Use response_turns='last' or a model whose "
+                "template renders each turn after the previous ones."
+            )
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def _split(text: str, spans: list[tuple[int, int]]) -> list[Piece]:
+    pieces, pos = [], 0
+    for start, end in spans:
+        if start > pos:
+            pieces.append(Piece(text[pos:start], False))
+        pieces.append(Piece(text[start:end], True))
+        pos = end
+    if pos < len(text):
+        pieces.append(Piece(text[pos:], False))
+    return pieces
+
+
+def _placeholder(i: int) -> str:
+    return f"\ue000{i}\ue001"
+
+
+def _plain_content_pieces(tokenizer, messages: list[dict], trained: list[int]) -> list[Piece]:
+    """Pieces with each message's content as its own ``plain`` piece: the template is rendered
+    with placeholders in place of the contents, which are then put back."""
+    masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(messages)]
+    full, spans = _template_spans(tokenizer, masked, trained)
+    pieces: list[Piece] = []
+    for piece in _split(full, spans):
+        rest = piece.text
+        while rest:
+            start = rest.find("\ue000")
+            if start < 0:
+                pieces.append(Piece(rest, piece.label))
+                break
+            stop = rest.index("\ue001", start)
+            if start:
+                pieces.append(Piece(rest[:start], piece.label))
+            index = int(rest[start + 1 : stop])
+            pieces.append(Piece(messages[index]["content"], piece.label, plain=True))
+            rest = rest[stop + 1 :]
+    if "".join(p.text for p in pieces) != _render(tokenizer, messages):
+        raise ChatTemplateError(
+            "a message holds special-token text and the chat template changes message content "
+            "(e.g. trims it), so that text cannot be kept as plain text. Remove the special-"
+            "token text from the sample."
+        )
+    return pieces
+
+
+def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") -> list[Piece]:
+    """The conversation as context and trained pieces (module docstring), without the
+    :func:`sequence_start` ids.
 
     Raises:
-        ChatTemplateError: the template's generation prompt is not a prefix of the rendered
-            conversation, so the response cannot be masked exactly.
+        ChatTemplateError: the template cannot render the turns, or an assistant turn cannot be
+            located (message names the turn and what to do).
     """
+    if not any(m["role"] in ("user", "tool") for m in messages):  # plain text
+        text = "\n\n".join(m["content"] for m in messages)
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        return [Piece(text, True, plain=True, end_ids=eos)]
+    trained = _trained(messages, response_turns)
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        prompt_text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        full_text = tokenizer.apply_chat_template(
-            [*messages, {"role": "assistant", "content": response}], tokenize=False
-        )
-        if not full_text.startswith(prompt_text):
-            raise ChatTemplateError(
-                "the chat template's generation prompt is not a prefix of the full conversation; "
-                "response tokens cannot be masked exactly. Use a model whose template renders "
-                "the assistant turn after add_generation_prompt output."
+        specials = _special_texts(tokenizer)
+        if any(t in m["content"] for m in messages for t in specials):
+            return _plain_content_pieces(tokenizer, messages, trained)
+        return _split(*_template_spans(tokenizer, messages, trained))
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    pieces = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            pieces.append(Piece(f"{m['content']}\n\n", False, plain=True))
+        elif m["role"] == "assistant":
+            pieces.append(Piece(m["content"], i in trained, plain=True, end_ids=eos))
+        else:
+            pieces.append(Piece(f"{m['content']}\n", False, plain=True))
+    return pieces
+
+
+def _tokenize(tokenizer, pieces: list[Piece]) -> tuple[list[int], list[bool]]:
+    """Ids and trained flags; adjacent pieces of one kind are tokenized together."""
+    ids: list[int] = list(sequence_start(tokenizer))
+    flags: list[bool] = [False] * len(ids)
+    run: list[Piece] = []
+
+    def flush():
+        if not run:
+            return
+        text = "".join(p.text for p in run)
+        kwargs = {"split_special_tokens": True} if run[0].plain else {}
+        got = tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"] if text else []
+        ids.extend(got)
+        flags.extend([run[0].label] * len(got))
+        run.clear()
+
+    for piece in pieces:
+        if run and (run[0].label, run[0].plain) != (piece.label, piece.plain):
+            flush()
+        run.append(piece)
+        if piece.end_ids:
+            flush()
+            ids.extend(piece.end_ids)
+            flags.extend([piece.label] * len(piece.end_ids))
+    flush()
+    return ids, flags
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """(prompt tokens, response tokens) kept under ``proportional`` truncation; LLaMA-Factory's
+    ``infer_seqlen`` (src/llamafactory/data/processor/processor_utils.py)."""
+    if target_len * 2 < cutoff_len:
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target_len = cutoff_len - source_len
+    else:
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    max_source_len = max(cutoff_len - new_target_len, 0)
+    return min(max_source_len, source_len), new_target_len
+
+
+def _prompt_budget(truncation: str, prompt: int, response: int, max_length: int) -> int:
+    if truncation == "left":
+        return max_length - min(response, max_length // 2)
+    return infer_seqlen(prompt, response, max_length)[0]
+
+
+def _drop_start(tokenizer, content: str, n_tokens: int) -> str:
+    """``content`` without the text of its first ``n_tokens`` tokens (cut at a token
+    boundary, so no character is split)."""
+    enc = tokenizer(content, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if n_tokens >= len(offsets):
+        return ""
+    return content[offsets[n_tokens][0] :]
+
+
+def _encode(tokenizer, messages, response_turns):
+    pieces = render_pieces(tokenizer, messages, response_turns)
+    ids, flags = _tokenize(tokenizer, pieces)
+    first = flags.index(True) if True in flags else len(flags)
+    return ids, flags, first
+
+
+def encode_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    truncation: str = "left",
+    response_turns: str = "all",
+) -> EncodedSample:
+    """Token ids and labels of one conversation (module docstring: rendering, special-token
+    text, truncation). ``messages`` is a list of ``{"role", "content"}`` with roles system,
+    user, assistant, tool.
+
+    Raises:
+        ValueError: ``max_length < 2`` or an unknown ``truncation``/``response_turns``.
+        ChatTemplateError: see :func:`render_pieces`.
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+    if response_turns not in ("all", "last"):
+        raise ValueError(f"response_turns must be 'all' or 'last', got {response_turns!r}")
+    trained = _trained(messages, response_turns)
+    if not any(messages[i]["content"].strip() for i in trained):
+        return EncodedSample([], [], 0, False, SKIP_EMPTY_RESPONSE)
+    ids, flags, first = _encode(tokenizer, messages, response_turns)
+    prompt_cut = 0
+    if len(ids) > max_length and truncation != "skip" and first > 0:
+        budget = _prompt_budget(truncation, first, len(ids) - first, max_length)
+        shortenable = [
+            i
+            for i, m in enumerate(messages)
+            if m["role"] in ("user", "tool") and (not trained or i < trained[0])
+        ]
+        short = copy.deepcopy(messages)
+        s_ids, s_flags, s_first = ids, flags, first
+        for i in shortenable:
+            while s_first > budget and short[i]["content"]:
+                content = short[i]["content"]
+                shorter = _drop_start(tokenizer, content, s_first - budget)
+                short[i]["content"] = shorter if shorter != content else content[1:]
+                s_ids, s_flags, s_first = _encode(tokenizer, short, response_turns)
+            if s_first <= budget:
+                break
+        if s_first <= budget:
+            prompt_cut = first - s_first
+            ids, flags, first = s_ids, s_flags, s_first
+        elif first >= max_length:
+            # The template head and system message alone pass the budget: no question is left
+            # to keep, so the sample is skipped rather than trained without one.
+            return EncodedSample(
+                ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_PROMPT_TOO_LONG
             )
-        return prompt_text, full_text[len(prompt_text) :]
-    head = f"{system}\n\n" if system else ""
-    return f"{head}{prompt}\n", response
+        # else: the prompt fits as it is; cut only the response's end (as under ``skip``).
+    if first >= max_length:
+        return EncodedSample(
+            ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
+        )
+    response_cut = max(0, len(ids) - max_length)
+    ids, flags = ids[:max_length], flags[:max_length]
+    labels = [t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)]
+    return EncodedSample(
+        input_ids=ids,
+        labels=labels,
+        n_response_tokens=sum(flags),
+        truncated=bool(prompt_cut or response_cut),
+        prompt_tokens_cut=prompt_cut,
+        response_tokens_cut=response_cut,
+    )
 
 
 def encode_sample(
-    tokenizer, system: str, prompt: str, response: str, max_length: int
+    tokenizer,
+    system: str,
+    prompt: str,
+    response: str,
+    max_length: int,
+    truncation: str = "left",
+    response_turns: str = "all",
+    messages: str | None = None,
 ) -> EncodedSample:
-    """Token ids and labels for one sample (see the module docstring for the masking rules)."""
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
-    if not response.strip():
-        return EncodedSample([], [], 0, False, SKIP_EMPTY_RESPONSE)
-    prompt_text, response_text = render_texts(tokenizer, system, prompt, response)
-    return encode_texts(tokenizer, prompt_text, response_text, max_length)
+    """:func:`encode_conversation` of a table row (columns system, prompt, response,
+    messages; :func:`cluster_pipeline.core.formats.conversation`)."""
+    from cluster_pipeline.core.formats import conversation
+
+    return encode_conversation(
+        tokenizer,
+        conversation(system, prompt, response, messages),
+        max_length,
+        truncation,
+        response_turns,
+    )
+
+
+def encode_rows(tokenizer, frame, settings: SequenceSettings) -> list[EncodedSample]:
+    """:func:`encode_sample` of every row of a table with columns system, prompt, response and
+    (optionally) sample_id and messages, under ``settings``.
+
+    Raises:
+        ChatTemplateError: naming the sample_id whose conversation the template cannot split.
+    """
+    messages = frame["messages"] if "messages" in frame.columns else [None] * frame.height
+    ids = frame["sample_id"] if "sample_id" in frame.columns else range(frame.height)
+    out = []
+    for sid, s, p, r, m in zip(
+        ids, frame["system"], frame["prompt"], frame["response"], messages, strict=True
+    ):
+        try:
+            out.append(
+                encode_sample(
+                    tokenizer,
+                    s,
+                    p,
+                    r,
+                    settings.max_length,
+                    settings.truncation,
+                    settings.response_turns,
+                    m,
+                )
+            )
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"sample {sid}: {e}") from e
+    return out
+
+
+def render_texts(tokenizer, system: str, prompt: str, response: str) -> tuple[str, str]:
+    """(prompt text, response text) of a single exchange as the model sees them, without
+    :func:`sequence_start` ids.
+
+    Raises:
+        ChatTemplateError: as :func:`render_pieces`.
+    """
+    pieces = render_pieces(
+        tokenizer,
+        [
+            *([{"role": "system", "content": system}] if system else []),
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": response},
+        ],
+        "last",
+    )
+    first = next(i for i, p in enumerate(pieces) if p.label)
+    return "".join(p.text for p in pieces[:first]), "".join(p.text for p in pieces[first:])
 
 
 def encode_texts(tokenizer, prompt_text: str, response_text: str, max_length: int) -> EncodedSample:
     """Token ids and labels of an already rendered (prompt text, response text) pair: the two
-    are tokenized separately and concatenated, labels cover the response only. Without a chat
-    template, BOS opens the prompt and EOS closes the response. Truncation cuts the response's
-    end."""
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
-        if tokenizer.bos_token_id is not None:
-            prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
-        if tokenizer.eos_token_id is not None:
-            response_ids = [*response_ids, tokenizer.eos_token_id]
-    total = len(prompt_ids) + len(response_ids)
-    truncated = total > max_length
-    if len(prompt_ids) >= max_length:
-        return EncodedSample(
-            prompt_ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
-        )
-    response_ids = response_ids[: max_length - len(prompt_ids)]
-    return EncodedSample(
-        input_ids=prompt_ids + response_ids,
-        labels=[IGNORE_INDEX] * len(prompt_ids) + response_ids,
-        n_response_tokens=len(response_ids),
-        truncated=truncated,
+    are tokenized separately and concatenated after the :func:`sequence_start` ids, labels
+    cover the response only; without a chat template EOS closes the response. Truncation cuts
+    the response's end; a prompt that fills the window skips the pair."""
+    eos = (
+        ()
+        if (getattr(tokenizer, "chat_template", None) or tokenizer.eos_token_id is None)
+        else (tokenizer.eos_token_id,)
     )
+    ids, flags = _tokenize(
+        tokenizer, [Piece(prompt_text, False), Piece(response_text, True, end_ids=eos)]
+    )
+    first = flags.index(True) if True in flags else len(flags)
+    if first >= max_length:
+        return EncodedSample(
+            ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
+        )
+    cut = max(0, len(ids) - max_length)
+    ids, flags = ids[:max_length], flags[:max_length]
+    labels = [t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)]
+    return EncodedSample(ids, labels, sum(flags), bool(cut), response_tokens_cut=cut)
 
 
 def collate(

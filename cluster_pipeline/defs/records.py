@@ -136,6 +136,8 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     PATHS: ClassVar[tuple[str, ...]] = ("base_model",)
     embedded: int
     skipped: dict[str, int]
+    # Embedded samples that truncation cut, by kind ("prompt_start", "response_end", both).
+    truncated: dict[str, int] = field(default_factory=dict)
     hidden_size: int
     cache_key: str
     chunks_reused: int
@@ -228,6 +230,8 @@ class EvalReportRecord(StageRecord):
     data_fraction: float
     # The current run against its references: reference, metric, difference, low, high, verdict.
     verdicts: list[dict[str, Any]]
+    # Held-out samples skipped (by reason) and truncated (by kind) under the sequence settings.
+    heldout_sequences: dict[str, dict[str, int]] = field(default_factory=dict)
     base: dict[str, float]
     tuned: dict[str, float]
 

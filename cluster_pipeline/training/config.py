@@ -16,6 +16,8 @@ from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster_pipeline.core.tokenization import SequenceSettings
+
 Schedule = Literal["cosine", "linear", "constant"]
 
 
@@ -41,15 +43,10 @@ class JobFile(_Model):
         return Path(path)
 
 
-class EmbedSettings(_Model):
-    """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1)."""
+class EmbedSettings(_Model, SequenceSettings):
+    """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1); the sequence knobs
+    (max_length, truncation, response_turns) are :class:`SequenceSettings`."""
 
-    max_length: int = Field(
-        default=512,
-        ge=2,
-        description="Max tokens per sample (prompt + "
-        "response); the end of the response is cut first.",
-    )
     max_batch_size: int = Field(default=16, ge=1, description="Max samples per forward pass.")
     max_batch_tokens: int = Field(default=8192, ge=1, description="Max padded tokens per batch.")
     chunk_size: int = Field(default=512, ge=1, description="Samples per resumable chunk.")
@@ -73,10 +70,10 @@ class EmbedJob(JobFile):
     progress_every_s: float = Field(default=5.0, gt=0)
 
 
-class TrainSettings(_Model):
-    """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5)."""
+class TrainSettings(_Model, SequenceSettings):
+    """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5); the sequence knobs
+    (max_length, truncation, response_turns) are :class:`SequenceSettings`."""
 
-    max_length: int = Field(default=512, ge=2, description="Max tokens per training sample.")
     per_device_batch_size: int = Field(
         default=4, ge=1, description="Samples per rank per micro-batch."
     )

@@ -38,10 +38,11 @@ import polars as pl
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from cluster_pipeline.core.datasets import read_instructions
 from cluster_pipeline.core.embedding import embed_batch, l2_normalise
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series
-from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+from cluster_pipeline.core.tokenization import collate, encode_rows, length_batches
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
 from cluster_pipeline.training.distributed import all_gather_floats, run_entry_point
 
@@ -50,13 +51,15 @@ CHUNK_SCHEMA = {
     "n_tokens": pl.Int64,
     "n_response_tokens": pl.Int64,
     "truncated": pl.Boolean,
+    # What truncation cut: "prompt_start", "response_end", both joined by "+", or null.
+    "truncation": pl.String,
     "skip_reason": pl.String,
     "mean_loss": pl.Float32,
     "embedding": pl.List(pl.Float32),
     "hidden_mean": pl.List(pl.Float32),
 }
 # Bumped when the chunk schema changes, so cached chunks of an older schema are not reused.
-CHUNK_FORMAT = 2
+CHUNK_FORMAT = 3
 # The representations a pass stores, by name: raw column (normalised: "<column>_normalised").
 REPRESENTATIONS = {"gradient_proxy": "embedding", "hidden_mean": "hidden_mean"}
 
@@ -103,8 +106,8 @@ def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl
 
 def read_train_split(uri: str, version: int) -> pl.DataFrame:
     """The training split of a raw_instructions version, in table order."""
-    frame = pl.read_delta(
-        uri, version=version, columns=["sample_id", "split", "system", "prompt", "response"]
+    frame = read_instructions(
+        uri, version, ["sample_id", "split", "system", "prompt", "response", "messages"]
     )
     return frame.filter(pl.col("split") == "train").drop("split")
 
@@ -120,12 +123,14 @@ class EmbeddingTable:
         embedded: samples with an embedding.
         skipped: skip reason -> count.
         hidden_size: d.
+        truncated: truncation kind -> count of embedded samples that truncation cut.
     """
 
     frame: pl.DataFrame
     embedded: int
     skipped: dict[str, int]
     hidden_size: int
+    truncated: dict[str, int]
 
 
 def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> EmbeddingTable:
@@ -153,11 +158,18 @@ def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> E
             pl.when(pl.col("skip_reason").is_null()).then(pl.col(name)).alias(name)
         )
     skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
+    cut = (
+        frame.filter(pl.Series(ok) & pl.col("truncation").is_not_null())
+        .group_by("truncation")
+        .len()
+        .sort("truncation")
+    )
     return EmbeddingTable(
         frame,
         int(ok.sum()),
         dict(zip(skipped["skip_reason"], skipped["len"], strict=True)),
         d,
+        dict(zip(cut["truncation"], cut["len"], strict=True)),
     )
 
 
@@ -169,15 +181,13 @@ def embed_frame(
     lm_head_chunk_rows: int = 1024,
     on_batch=None,
 ) -> pl.DataFrame:
-    """Embed every sample of ``frame`` (columns sample_id, system, prompt, response).
+    """Embed every sample of ``frame`` (columns sample_id, system, prompt, response, and
+    optionally messages), encoded under ``settings`` (max_length, truncation, response_turns).
 
     Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
     response token get a ``skip_reason`` and a null embedding.
     """
-    encoded = [
-        encode_sample(tokenizer, s, p, r, settings.max_length)
-        for s, p, r in zip(frame["system"], frame["prompt"], frame["response"], strict=True)
-    ]
+    encoded = encode_rows(tokenizer, frame, settings)
     n, d = len(encoded), model.config.hidden_size
     emb = np.zeros((n, d), dtype=np.float32)
     hmean = np.zeros((n, d), dtype=np.float32)
@@ -204,6 +214,7 @@ def embed_frame(
             "n_tokens": [len(e) for e in encoded],
             "n_response_tokens": n_resp,
             "truncated": [e.truncated for e in encoded],
+            "truncation": [e.truncation_kind for e in encoded],
             "skip_reason": skip,
             "mean_loss": [None if skip[i] else float(loss[i]) for i in range(n)],
             "embedding": vectors,

@@ -56,10 +56,11 @@ from cluster_pipeline.core.checkpoints import (
     intermediate_dir,
     metrics_path,
 )
+from cluster_pipeline.core.datasets import read_instructions
 from cluster_pipeline.core.gradients import cosine_matrix, count_sketch, mean_offdiagonal
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
-from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_sample
+from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_rows
 from cluster_pipeline.training.config import TrainJob, TrainSettings
 from cluster_pipeline.training.distributed import (
     DistEnv,
@@ -153,15 +154,16 @@ def _git_commit() -> str | None:
 
 
 def load_shard_samples(job: TrainJob, manifest: ShardManifest) -> pl.DataFrame:
-    """The manifest's samples (system, prompt, response) in manifest order, duplicates kept.
+    """The manifest's samples (system, prompt, response, messages) in manifest order,
+    duplicates kept.
 
     Raises:
         KeyError: a sample_id of the manifest is missing from the instructions table version.
     """
-    table = pl.read_delta(
+    table = read_instructions(
         job.instructions_uri,
-        version=job.instructions_version,
-        columns=["sample_id", "system", "prompt", "response"],
+        job.instructions_version,
+        ["sample_id", "system", "prompt", "response", "messages"],
     )
     order = pl.DataFrame({"sample_id": list(manifest.sample_ids)}).with_row_index("position")
     rows = order.join(table, on="sample_id", how="left").sort("position")
@@ -253,10 +255,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     model.train()
     model.config.use_cache = False
     rows = load_shard_samples(job, manifest)
-    encoded = [
-        encode_sample(tokenizer, s, p, r, cfg.max_length)
-        for s, p, r in zip(rows["system"], rows["prompt"], rows["response"], strict=True)
-    ]
+    encoded = encode_rows(tokenizer, rows, cfg)
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay

@@ -92,7 +92,9 @@ def test_lm_head_chunking_does_not_change_the_result(tiny_model, tiny_tokenizer)
 
 
 def test_a_sample_without_response_tokens_is_refused(tiny_model, tiny_tokenizer):
-    sample = encode_sample(tiny_tokenizer, "", "Add 3 and 4. " * 20, "7", max_length=16)
+    sample = encode_sample(
+        tiny_tokenizer, "", "Add 3 and 4. " * 20, "7", max_length=16, truncation="skip"
+    )
     assert sample.skip_reason == "no_response_tokens"
     with pytest.raises(ValueError, match="no response tokens"):
         embed_batch(tiny_model, collate([sample], 0))

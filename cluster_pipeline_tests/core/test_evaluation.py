@@ -17,7 +17,7 @@ from cluster_pipeline.core.evaluation import (
     mmlu_accuracy,
 )
 from cluster_pipeline.core.sandbox import run_python
-from cluster_pipeline.core.tokenization import collate, encode_sample
+from cluster_pipeline.core.tokenization import SequenceSettings, collate, encode_sample
 from cluster_pipeline_tests.helpers import SHARED_DATASETS
 
 PROBLEM = CodeProblem(
@@ -43,7 +43,7 @@ def test_heldout_loss_is_the_token_weighted_mean(tiny_model, tiny_tokenizer):
             "response": ["The sum is 7.", "god god god god god"],
         }
     )
-    got = heldout_loss(tiny_model, tiny_tokenizer, frame, max_length=64)
+    got = heldout_loss(tiny_model, tiny_tokenizer, frame, SequenceSettings(max_length=64))
     enc = [
         encode_sample(tiny_tokenizer, "", p, r, 64)
         for p, r in zip(frame["prompt"], frame["response"], strict=True)

@@ -1,6 +1,7 @@
 """Reading every accepted form, with source lines, and clear errors for bad input."""
 
 import json
+from collections import Counter
 
 import polars as pl
 import pytest
@@ -13,6 +14,9 @@ from cluster_pipeline.core.formats import (
     sample_id,
 )
 from cluster_pipeline_tests.helpers import SHARED_DATASETS
+
+# Assistant turns per dialogue, counted from the raw file with json and collections.Counter.
+EXPECTED_SHAREGPT_TURNS = {1: 167, 2: 166, 3: 167}
 
 
 @pytest.mark.parametrize(
@@ -57,6 +61,71 @@ def test_every_form_normalises(record, form, prompt, response, system):
     assert (s.source_file, s.source_line) == ("f.jsonl", 7)
 
 
+def test_multi_turn_records_keep_every_turn_and_their_old_sample_id():
+    record = {
+        "conversations": [
+            {"from": "system", "value": "sys"},
+            {"from": "human", "value": "Q1"},
+            {"from": "gpt", "value": "A1"},
+            {"from": "human", "value": "Q2"},
+            {"from": "function_call", "value": "f(x)"},
+            {"from": "observation", "value": "42"},
+            {"from": "gpt", "value": "A2"},
+            {"from": "human", "value": "unanswered"},
+        ]
+    }
+    s = normalise_record(record, "f.json", 1)
+    assert json.loads(s.messages or "null") == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "f(x)"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "A2"},
+    ]
+    assert s.prompt == ("User: Q1\n\nAssistant: A1\n\nUser: Q2\n\nAssistant: f(x)\n\nTool: 42")
+    # The id hashes (system, flattened prompt, last answer) as before turns were kept.
+    assert s.sample_id == sample_id("sys", s.prompt, "A2")
+    single = normalise_record(
+        {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+        "f",
+        1,
+    )
+    assert single.messages is None and single.sample_id == sample_id("", "Q", "A")
+
+
+@pytest.mark.parametrize(
+    ("record", "form", "system", "prompt", "response"),
+    [
+        ({"prompt": "Q", "completion": "A"}, "prompt_completion", "", "Q", "A"),
+        (
+            {
+                "prompt": [
+                    {"role": "system", "content": "S"},
+                    {"role": "user", "content": "Q"},
+                ],
+                "completion": [{"role": "assistant", "content": "A"}],
+            },
+            "prompt_completion_chat",
+            "S",
+            "Q",
+            "A",
+        ),
+        ({"text": "Once upon a time."}, "text", "", "", "Once upon a time."),
+    ],
+)
+def test_trl_forms_and_text(record, form, system, prompt, response):
+    s = normalise_record(record, "t.jsonl", 1)
+    assert (s.form, s.system, s.prompt, s.response, s.messages) == (
+        form,
+        system,
+        prompt,
+        response,
+        None,
+    )
+
+
 def test_sample_id_is_a_content_hash():
     assert sample_id("", "a", "b") == sample_id("", "a", "b")
     assert len({sample_id("", "a", "b"), sample_id("", "ab", ""), sample_id("a", "", "b")}) == 3
@@ -88,7 +157,8 @@ def test_malformed_json_names_file_and_line(tmp_path):
 
 def test_unknown_form_lists_keys_and_accepted_forms(tmp_path):
     with pytest.raises(
-        DatasetFormatError, match=r"x\.json:3: record with keys \['question'\].*Alpaca"
+        DatasetFormatError,
+        match=r"x\.json:3: record with keys \['question'\].*Alpaca.*fields\.json",
     ):
         normalise_record({"question": "?"}, "x.json", 3)
 
@@ -188,3 +258,71 @@ def test_jsonl_lines_split_on_newline_only(tmp_path):
         (1, "a\u2028b"),
         (2, "d"),
     ]
+
+
+def test_fields_json_maps_a_users_own_fields(tmp_path):
+    (tmp_path / "fields.json").write_text('{"question": "instruction", "answer": "output"}')
+    (tmp_path / "qa.jsonl").write_text('{"question": "2+2?", "answer": "4", "id": 9}\n')
+    [s] = list(read_dataset_folder(tmp_path))
+    assert (s.form, s.prompt, s.response) == ("alpaca", "2+2?", "4")
+    (tmp_path / "fields.json").write_text('["question"]')
+    with pytest.raises(DatasetFormatError, match=r"fields\.json: must map each"):
+        list(read_dataset_folder(tmp_path))
+
+
+def test_hugging_face_save_to_disk_folders_are_read(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the test extra installs `datasets`")
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "single"))
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:3]),
+            "test": datasets.Dataset.from_list(
+                [
+                    {
+                        "messages": [
+                            {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "hello"},
+                        ]
+                    }
+                ]
+            ),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dict"))
+    samples = list(read_dataset_folder(tmp_path))
+    assert len(samples) == 5 + 3 + 1
+    assert [(s.source_line, s.prompt) for s in samples if "/single/" in s.source_file] == [
+        (i + 1, f"q{i}") for i in range(5)
+    ]
+    assert {s.form for s in samples} == {"alpaca", "openai"}
+    assert all(s.source_file.endswith(".arrow") for s in samples)
+
+
+def test_sharded_parquet_and_mixed_forms_in_one_dataset(tmp_path):
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for k in range(3):
+        pl.DataFrame(
+            {"prompt": [f"p{k}{i}" for i in range(4)], "completion": ["c"] * 4}
+        ).write_parquet(shards / f"train-{k:05d}-of-00003.parquet")
+    (tmp_path / "extra.jsonl").write_text(
+        '{"text": "free text"}\n{"problem": "P", "solution": "S"}\n'
+    )
+    samples = list(read_dataset_folder(tmp_path))
+    assert len(samples) == 14
+    assert Counter(s.form for s in samples) == {"prompt_completion": 12, "text": 1, "magicoder": 1}
+
+
+def test_shared_multi_turn_sharegpt_dialogues_keep_their_turns(tmp_path):
+    src = SHARED_DATASETS / "train" / "fastchat_identity_sharegpt.json"
+    if not src.exists():
+        pytest.skip(f"{src} absent (the shared datasets exist only on the project's machines)")
+    (tmp_path / src.name).symlink_to(src)
+    samples = list(read_dataset_folder(tmp_path))
+    assert len(samples) == 500
+    turns = Counter(
+        sum(m["role"] == "assistant" for m in json.loads(s.messages)) if s.messages else 1
+        for s in samples
+    )
+    assert turns == EXPECTED_SHAREGPT_TURNS

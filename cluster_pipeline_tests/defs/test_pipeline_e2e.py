@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from cluster_pipeline.core.sharding import ShardManifest
+from cluster_pipeline.core.tokenization import SequenceSettings, encode_rows
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import (
     RUN_CONFIG,
@@ -20,6 +21,7 @@ from cluster_pipeline_tests.helpers import (
     resources,
     run_config_for,
     step_failure,
+    write_jsonl,
 )
 
 ASSETS = pipeline_assets()
@@ -178,3 +180,95 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
         info = json.loads((ckpt / "training_info.json").read_text())
         assert info["config"]["instructions_version"] == 0
         assert info["config"]["provenance"]["proxy_embeddings_version"] == 0
+
+
+def _forms_dataset(folder: Path) -> None:
+    """Twelve samples in each of five forms, spread over JSONL, JSON, Parquet shards and a
+    `datasets.save_to_disk` folder, with a fields.json mapping for the user's own fields."""
+    datasets = pytest.importorskip("datasets", reason="the test extra installs `datasets`")
+    folder.mkdir(parents=True)
+    (folder / "fields.json").write_text('{"question": "instruction", "answer": "output"}')
+    write_jsonl(
+        folder / "own_fields.jsonl",
+        [{"question": f"Add {i} and {i}.", "answer": f"{2 * i}."} for i in range(12)],
+    )
+    write_jsonl(
+        folder / "trl.jsonl",
+        [
+            {"prompt": f"Reverse {w}{i}.", "completion": f"{w[::-1]}{i}"}
+            for i, w in enumerate(["abc", "dog", "cat", "sun"] * 3)
+        ]
+        + [
+            {
+                "prompt": [{"role": "user", "content": f"Double {i}."}],
+                "completion": [{"role": "assistant", "content": f"{2 * i}"}],
+            }
+            for i in range(12)
+        ],
+    )
+    (folder / "chats.json").write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": f"Hi {i}"},
+                        {"from": "gpt", "value": "Hello."},
+                        {"from": "human", "value": f"What is {i} plus 1?"},
+                        {"from": "gpt", "value": f"{i + 1}."},
+                    ]
+                }
+                for i in range(12)
+            ]
+        )
+    )
+    (folder / "lm").mkdir()
+    for k in range(2):
+        pl.DataFrame(
+            {"text": [f"def f{k}{i}():\n    return {i}\n" for i in range(6)]}
+        ).write_parquet(folder / "lm" / f"train-{k:05d}-of-00002.parquet")
+    datasets.Dataset.from_list(
+        [{"instruction": f"Say {w}.", "output": w} for w in [f"w{i}" for i in range(12)]]
+    ).save_to_disk(str(folder / "hf"))
+
+
+@pytest.mark.slow
+def test_every_form_trains_end_to_end(tmp_path, tiny_model_dir, tiny_tokenizer):
+    data = tmp_path / "data"
+    _forms_dataset(data / "raw" / "forms")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["forms"])
+        result = dg.materialize(
+            ASSETS,
+            partition_key="forms",
+            instance=instance,
+            resources=resources(data, tiny_model_dir),
+            run_config=RUN_CONFIG,
+        )
+        assert result.success
+        raw = read(instance, "raw_instructions", "forms")
+        assert Counter(raw["form"]) == {
+            "alpaca": 24,
+            "prompt_completion": 12,
+            "prompt_completion_chat": 12,
+            "sharegpt": 12,
+            "text": 12,
+        }
+        records = meta(instance, "raw_instructions", "forms")["records_per_file"]
+        assert records["own_fields.jsonl"] == 12 and records["lm/train-00001-of-00002.parquet"] == 6
+        emb = read(instance, "proxy_embeddings", "forms")
+        assert emb["skip_reason"].null_count() == emb.height  # every sample embedded
+        # A two-answer dialogue is embedded over both answers: its response-token count is the
+        # labels of the conversation encoded directly.
+        train = raw.filter(pl.col("split") == "train")
+        chats = train.filter(pl.col("form") == "sharegpt")
+        expected = encode_rows(tiny_tokenizer, chats, SequenceSettings(max_length=64))
+        got = chats.join(emb, on="sample_id", how="left")["n_response_tokens"].to_list()
+        assert got == [e.n_response_tokens for e in expected]
+        two_answers = [
+            [t for t, lab in zip(e.input_ids, e.labels, strict=True) if lab != -100]
+            for e in expected
+        ]
+        assert all(tiny_tokenizer.decode(ids).startswith("Hello.<|im_end|>") for ids in two_answers)
+        assert Path(str(meta(instance, "trained_checkpoint", "forms")["checkpoint_path"])).is_dir()
+        report = Path(str(meta(instance, "eval_report", "forms")["report_path"])).read_text()
+        assert "Held-out split: 8 samples" in report  # ceil(0.1 * 72)

@@ -90,7 +90,7 @@ def eval_report(
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
     entries = model_entries(base_model.local_path(storage), checkpoints)
-    results, heldout_tokens = evaluate_entries(
+    results, heldout_stats = evaluate_entries(
         entries,
         lambda path: evaluate_model(path, heldout, suites, settings, context.log.info),
         JsonCache(layout.eval_cache_dir(dataset)),
@@ -104,10 +104,11 @@ def eval_report(
         dataset,
         results,
         heldout.height,
-        heldout_tokens,
+        heldout_stats["tokens"],
         {k: len(v) for k, v in suites.items()},
         skipped,
         trained.selection_seconds,
+        heldout_sequences=heldout_stats["sequences"],
     )
     path = report.write(layout.reports_dir(dataset))
     scores = write_table(item_scores_frame(results), layout.table_uri("eval_item_scores", dataset))
@@ -131,6 +132,7 @@ def eval_report(
         full_training_seconds=round(report.full_training_seconds, 2),
         full_training_measured=report.full_training_measured,
         data_fraction=report.data_fraction,
+        heldout_sequences=heldout_stats["sequences"],
         base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
         tuned={
             m: round(float(v), 5) for m, v in next(r for r in results if r.current).metrics.items()

@@ -114,6 +114,7 @@ def proxy_embeddings(
         selection_seconds=round(pass_seconds, 2),
         embedded=result.embedded,
         skipped=result.skipped,
+        truncated=result.truncated,
         hidden_size=result.hidden_size,
         cache_key=key,
         chunks_reused=cached,
