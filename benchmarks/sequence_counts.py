@@ -47,7 +47,7 @@ def main() -> None:
     from cluster_pipeline.core.formats import conversation
     from cluster_pipeline.core.tokenization import TRUNCATIONS, encode_conversation
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--max-length", type=int, nargs="+", default=[256, 512])
     p.add_argument(
         "--datasets",
