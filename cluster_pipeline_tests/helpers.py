@@ -19,6 +19,14 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Renders earlier assistant turns as a placeholder (as templates that strip reasoning do), so an
+# earlier turn is not where the generation prompt says it starts.
+FORGETFUL = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\n…<|im_end|>\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 

@@ -86,7 +86,8 @@ class TorchrunResource(dg.ConfigurableResource):
         Every rank's output is teed to ``<job_file>.logs/``.
 
         Raises:
-            dagster.Failure: the launch failed; it names the rank that failed first and carries
+            dagster.Failure: the launch failed; it names the dataset (partition) and the rank that
+                failed first and carries
                 each failed rank's error and log tail as metadata.
         """
         log_dir = Path(f"{job_file}.logs")
@@ -97,8 +98,10 @@ class TorchrunResource(dg.ConfigurableResource):
             return pipes_client.run(context=context, command=command)
         except DagsterPipesExecutionError as e:
             failures = rank_failures(log_dir)
+            where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
             raise dg.Failure(
-                description=f"{module}: {failure_summary(failures) or e}. Per-rank logs: {log_dir}",
+                description=f"{where}{module}: {failure_summary(failures) or e}. "
+                f"Per-rank logs: {log_dir}",
                 metadata={
                     **{
                         name: dg.MetadataValue.md(f"```\n{text}\n```")

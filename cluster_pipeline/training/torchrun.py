@@ -76,13 +76,15 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
             try:
                 body = json.loads(error.read_text())["message"]
                 info = body.get("extraInfo", {})
-                text = f"{body.get('message', '')}\n{info.get('py_callstack', '')}"
+                # The message whole (it leads the summary), the call stack's tail after it.
+                stack = info.get("py_callstack", "")[-tail_chars:]
+                text = f"{body.get('message', '')}\n{stack}"
             except (ValueError, KeyError, TypeError, AttributeError):
-                text = error.read_text()
+                text = error.read_text()[-tail_chars:]
             # A rank that only lost its peer is a consequence, not the cause; among the rest,
             # the file's mtime orders (error.json's timestamp has 1 s resolution).
             when = (_PEER_LOST.search(text) is not None, float(error.stat().st_mtime_ns))
-            found.append((when, f"rank_{rank_dir.name}", text[-tail_chars:]))
+            found.append((when, f"rank_{rank_dir.name}", text))
         elif stderr.exists():
             text = stderr.read_text(errors="replace")
             if "Traceback" in text:

@@ -18,7 +18,7 @@ from cluster_pipeline.core.tokenization import (
     length_batches,
     prompt_ids,
 )
-from cluster_pipeline_tests.helpers import build_tokenizer
+from cluster_pipeline_tests.helpers import FORGETFUL, build_tokenizer
 
 
 def _response_ids(sample):
@@ -173,16 +173,6 @@ def test_single_exchange_encodes_as_before(tiny_tokenizer):
         + tiny_tokenizer("The sum is 7.<|im_end|>\n", add_special_tokens=False)["input_ids"]
     )
     assert s.input_ids == expected
-
-
-# Renders earlier assistant turns as a placeholder (as templates that strip reasoning do), so
-# an earlier turn is not where the generation prompt says it starts.
-FORGETFUL = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-    "{{ '<|im_start|>assistant\n…<|im_end|>\n' }}{% else %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_a_clear_error():

@@ -10,17 +10,22 @@ import numpy as np
 import polars as pl
 import pytest
 
+from cluster_pipeline.core.formats import normalise_record
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import SequenceSettings, encode_rows
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import (
+    FORGETFUL,
     RUN_CONFIG,
+    build_model,
+    build_tokenizer,
     meta,
     pipeline_assets,
     read,
     resources,
     run_config_for,
     step_failure,
+    tiny_records,
     write_jsonl,
 )
 
@@ -118,6 +123,7 @@ def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model
         )
         assert not failed.success
         description, metadata = step_failure(failed)
+        assert description.startswith("dataset 'tiny', cluster_pipeline.training.train: ")
         assert "rank_1" in description and "weight_typo" in description
         assert "rank_1 failed first" in description
         assert "weight_typo" in metadata["rank_1"]
@@ -272,3 +278,36 @@ def test_every_form_trains_end_to_end(tmp_path, tiny_model_dir, tiny_tokenizer):
         assert Path(str(meta(instance, "trained_checkpoint", "forms")["checkpoint_path"])).is_dir()
         report = Path(str(meta(instance, "eval_report", "forms")["report_path"])).read_text()
         assert "Held-out split: 8 samples" in report  # ceil(0.1 * 72)
+
+
+@pytest.mark.slow
+def test_a_template_that_cannot_split_turns_fails_naming_dataset_and_sample(tmp_path):
+    tok = build_tokenizer(chat_template=FORGETFUL)
+    model_dir = tmp_path / "model"
+    build_model(len(tok), pad_token_id=tok.pad_token_id).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "data"
+    dialogue = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    write_jsonl(data / "raw" / "chats" / "c.jsonl", [{"messages": dialogue}] + tiny_records(20))
+    assets = ASSETS[:2]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["chats"])
+        failed = dg.materialize(
+            assets,
+            partition_key="chats",
+            instance=instance,
+            resources=resources(data, model_dir),
+            run_config=run_config_for(assets),
+            raise_on_error=False,
+        )
+        assert not failed.success
+        description, _ = step_failure(failed)
+        sid = normalise_record({"messages": dialogue}, "c.jsonl", 1).sample_id
+        assert description.startswith("dataset 'chats', cluster_pipeline.training.embed: ")
+        assert f"sample {sid}: the chat template does not render assistant turn 1" in description
+        assert "response_turns='last'" in description
