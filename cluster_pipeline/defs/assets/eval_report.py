@@ -19,6 +19,7 @@ from cluster_pipeline.core.report import (
     model_entries,
     render_report,
 )
+from cluster_pipeline.core.sandbox import sandbox_problem
 from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource
@@ -109,6 +110,9 @@ def eval_report(
         skipped,
         trained.selection_seconds,
         heldout_sequences=heldout_stats["sequences"],
+        unsafe_sandbox=(
+            sandbox_problem() if settings.unsafe_sandbox and settings.generate else None
+        ),
     )
     path = report.write(layout.reports_dir(dataset))
     scores = write_table(item_scores_frame(results), layout.table_uri("eval_item_scores", dataset))
