@@ -9,7 +9,8 @@ configs, from a shell.
 import argparse
 import signal
 
-from cluster_pipeline.cli import compare, register, trace
+from cluster_pipeline.cli import UserError, compare, register, trace
+from cluster_pipeline.core.formats import DatasetFormatError
 
 COMMANDS = {"datasets": register, "lineage": trace, "compare-config": compare}
 
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> None:
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     args = parser.parse_args(argv)
-    args.run(args, parser)
+    try:
+        args.run(args, parser)
+    except (UserError, DatasetFormatError, FileNotFoundError) as e:
+        # What a user can cause gets one line and status 2 (as argparse's own errors), no
+        # traceback; anything else is a bug and keeps its traceback.
+        parser.exit(2, f"cluster-pipeline {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

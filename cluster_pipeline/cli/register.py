@@ -15,7 +15,9 @@ import argparse
 import os
 import sys
 
+from cluster_pipeline.cli import UserError
 from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
+from cluster_pipeline.core.formats import SUPPORTED_SUFFIXES
 from cluster_pipeline.core.layout import PROJECT_ROOT, DataLayout, default_data_dir
 from cluster_pipeline.defs.partitions import DATASETS
 
@@ -38,11 +40,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     found = discover_datasets(raw_dir)
     refused = refused_datasets(raw_dir)
     if args.require and args.require in refused:
-        sys.exit(f"dataset {args.require!r} cannot be registered: {refused[args.require]}.")
+        raise UserError(f"dataset {args.require!r} cannot be registered: {refused[args.require]}.")
     if args.require and args.require not in found:
-        sys.exit(
-            f"dataset {args.require!r} not found: no folder {raw_dir / args.require} with .json, "
-            f".jsonl or .parquet files. Datasets found: {', '.join(found)}."
+        folder = raw_dir / args.require
+        files = ", ".join(SUPPORTED_SUFFIXES)
+        if folder.is_dir():
+            raise UserError(
+                f"dataset {args.require!r}: {folder} holds no {files} file (eval.json and "
+                "fields.json are settings, not data); put the dataset's files there."
+            )
+        raise UserError(
+            f"dataset {args.require!r} not found: no folder {folder} with {files} files. "
+            f"Datasets found: {', '.join(found)}."
         )
     if not os.environ.get("DAGSTER_HOME"):
         home = PROJECT_ROOT / ".dagster_home"

@@ -11,13 +11,13 @@ travel) and lists the samples that entered and left the subset. ``--json`` print
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import polars as pl
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
+from cluster_pipeline.cli import UserError
 from cluster_pipeline.core.checkpoints import checkpoints_by_manifest, list_checkpoints
 from cluster_pipeline.core.layout import DataLayout, default_data_dir
 from cluster_pipeline.core.lineage import build_lineage, latest_tables, subset_diff
@@ -43,10 +43,10 @@ def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -
     try:
         latest = DeltaTable(uri).version()
     except TableNotFoundError:
-        sys.exit(f"no peripheral_subsets table for dataset {dataset!r} at {uri}")
+        raise UserError(f"no peripheral_subsets table for dataset {dataset!r} at {uri}") from None
     for v in (old, new):
         if not 0 <= v <= latest:
-            sys.exit(f"peripheral_subsets of {dataset!r} has versions 0..{latest}, not {v}")
+            raise UserError(f"peripheral_subsets of {dataset!r} has versions 0..{latest}, not {v}")
     diff = subset_diff(pl.read_delta(uri, version=old), pl.read_delta(uri, version=new))
     print(
         json.dumps({"dataset": dataset, "old": old, "new": new, **diff})
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("give sample_id(s), --selected or --diff OLD NEW")
     tables = latest_tables(layout, args.dataset)
     if tables.get("raw_instructions") is None:
-        sys.exit(
+        raise UserError(
             f"dataset {args.dataset!r} has no tables under {layout.root / 'tables'}: it "
             "does not exist or was never materialized. Datasets with tables: "
             f"{', '.join(layout.datasets_with_tables()) or 'none'}"
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         rows = frame.filter(pl.col("sample_id").is_in(args.sample_ids))
         missing = sorted(set(args.sample_ids) - set(rows["sample_id"]))
         if missing:
-            sys.exit(f"sample_id(s) not in dataset {args.dataset!r}: {', '.join(missing)}")
+            raise UserError(f"sample_id(s) not in dataset {args.dataset!r}: {', '.join(missing)}")
     if args.json:
         for row in rows.iter_rows(named=True):
             print(json.dumps(row, default=str))

@@ -106,13 +106,24 @@ def subset_diff(old: pl.DataFrame, new: pl.DataFrame) -> dict[str, list[str]]:
 def latest_tables(layout: DataLayout, dataset: str) -> dict[str, tuple[int, pl.DataFrame] | None]:
     """stage -> (version, frame) of the latest version of each lineage stage's table, or None
     where the stage has no table yet. Used where no Dagster instance is at hand (the CLI);
-    the ``sample_lineage`` asset reads the versions its shard manifests were built from."""
+    the ``sample_lineage`` asset reads the versions its shard manifests were built from.
+
+    Raises:
+        FileNotFoundError: a table's latest version lists Parquet files that were deleted.
+    """
     out: dict[str, tuple[int, pl.DataFrame] | None] = {}
     for stage in LINEAGE_STAGES:
         uri = layout.table_uri(stage, dataset)
         try:
             version = DeltaTable(uri).version()
-            out[stage] = (version, pl.read_delta(uri, version=version))
-        except (TableNotFoundError, FileNotFoundError, OSError):
+        except TableNotFoundError:
             out[stage] = None
+            continue
+        try:
+            out[stage] = (version, pl.read_delta(uri, version=version))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{stage} table {uri} v{version} lists data files that are gone ({e}); "
+                f"re-materialize {stage} for {dataset!r}"
+            ) from e
     return out

@@ -70,8 +70,11 @@ def test_datasets_cli_refuses_an_unknown_dataset(tmp_path):
         text=True,
         env=env,
     )
-    assert out.returncode == 1
-    assert "dataset 'nosuch' not found: no folder" in out.stderr and "python_stdlib" in out.stderr
+    assert out.returncode == 2
+    assert (
+        out.stderr.startswith("cluster-pipeline datasets: error: dataset 'nosuch' not found")
+        and "python_stdlib" in out.stderr
+    )
 
 
 def _datasets_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -94,7 +97,7 @@ def test_folder_names_with_spaces_and_accents_are_datasets(tmp_path):
     assert out.stdout == "registered new dataset partitions: python_stdlib, données, my data\n"
     assert "skipping data/raw/.hidden/: hidden folders" in out.stderr
     refused = _datasets_cli(tmp_path, "sync", "--require", ".hidden", *d)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "dataset '.hidden' cannot be registered: hidden folders" in refused.stderr
     (data / "raw" / "my data" / "a.jsonl").unlink()
     (data / "raw" / "my data").rmdir()
@@ -128,6 +131,61 @@ def test_raw_instructions_of_an_accented_dataset_counts_records_per_file(tmp_pat
         )
         assert table.height == 7
         assert (data / "tables" / "raw_instructions" / "donnees-a0831764").is_dir()
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        env={"DAGSTER_HOME": str(home), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_cli_user_errors_are_one_line_and_status_2(tmp_path):
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "tiny" / "a.jsonl", tiny_records(10))
+    (data / "raw" / "empty").mkdir()
+    (data / "raw" / "empty" / "eval.json").write_text('{"benchmarks": []}')
+    d = ["--data-dir", str(data)]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        res = {"storage": StorageResource(data_dir=str(data))}
+        assert dg.materialize(
+            [raw_instructions], partition_key="tiny", instance=instance, resources=res
+        ).success
+    cases = {
+        ("datasets", "sync", "--require", "empty", *d): (
+            f"cluster-pipeline datasets: error: dataset 'empty': {data / 'raw' / 'empty'} holds "
+            "no .json, .jsonl, .parquet, .arrow file (eval.json and fields.json are settings, "
+            "not data); put the dataset's files there.\n"
+        ),
+        ("lineage", "nosuch", "abc", *d): (
+            f"cluster-pipeline lineage: error: dataset 'nosuch' has no tables under "
+            f"{data / 'tables'}: it does not exist or was never materialized. Datasets with "
+            "tables: tiny\n"
+        ),
+        ("lineage", "tiny", "0123456789abcdef", *d): (
+            "cluster-pipeline lineage: error: sample_id(s) not in dataset 'tiny': "
+            "0123456789abcdef\n"
+        ),
+        ("lineage", "tiny", "--diff", "0", "1", *d): (
+            "cluster-pipeline lineage: error: no peripheral_subsets table for dataset 'tiny' at "
+            f"{data / 'tables' / 'peripheral_subsets' / 'tiny'}\n"
+        ),
+    }
+    for args, message in cases.items():
+        out = _cli(tmp_path, *args)
+        assert (out.returncode, out.stderr) == (2, message), args
+    for f in (data / "tables" / "raw_instructions" / "tiny").glob("*.parquet"):
+        f.unlink()
+    gone = _cli(tmp_path, "lineage", "tiny", "0123456789abcdef", *d)
+    assert gone.returncode == 2 and "Traceback" not in gone.stderr
+    assert gone.stderr.startswith("cluster-pipeline lineage: error: raw_instructions table ")
+    assert "lists data files that are gone" in gone.stderr
+    assert gone.stderr.endswith("re-materialize raw_instructions for 'tiny'\n")
 
 
 @pytest.mark.slow
