@@ -483,6 +483,17 @@ class Report:
         return path
 
 
+def _net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
+    """The report's first line: what this run cost against full-data training."""
+    saved = full_s - selection_s - train_s
+    pct = f" ({100 * saved / full_s:+.0f} % of full-data training)" if full_s > 0 else ""
+    how = "measured" if measured else "estimated as training / data fraction"
+    return (
+        f"**Net time saved: {saved:.1f} s**{pct}: selection {selection_s:.1f} s + training "
+        f"{train_s:.1f} s against full-data training {full_s:.1f} s ({how}).\n\n"
+    )
+
+
 def _sequence_note(sequences: dict[str, dict[str, int]]) -> str:
     parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
     parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
@@ -550,6 +561,7 @@ def render_report(
             if unsafe_sandbox
             else ""
         )
+        + _net_saving_line(selection_seconds, train_s, full_s, measured)
         + f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
         + _sequence_note(heldout_sequences or {})
         + ". "

@@ -117,6 +117,17 @@ def test_each_group_is_compared_with_random_global_full_and_base_with_verdicts()
     assert report.full_training_measured and report.full_training_seconds == 100.0
     assert "against **full r=1.0** on heldout_loss (lower is better): **worse**" in report.summary
     assert "| net time saved (full - selection - training) | -12.0 s |" in report.summary
+    # The first lines say it (selection 12 s + the current run's training against the measured
+    # full-data mean of 100 s).
+    first = report.summary.split("\n\n")[1]
+    assert first.startswith("**Net time saved: -12.0 s** (-12 % of full-data training): ")
+    assert first.endswith("against full-data training 100.0 s (measured).")
+    unsafe = render_report(
+        "d", results, 200, 2000, {}, {}, 12.0, n_resamples=50, unsafe_sandbox="no bwrap"
+    )
+    assert unsafe.summary.split("\n\n")[1].startswith(
+        "**Generated code ran without isolation** (`unsafe_sandbox: true`; no bwrap)"
+    )
     assert "decision.png" in report.pngs
 
 
