@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
@@ -53,11 +54,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             f"dataset {args.require!r} not found: no folder {folder} with {files} files. "
             f"Datasets found: {', '.join(found)}."
         )
-    if not os.environ.get("DAGSTER_HOME"):
-        home = PROJECT_ROOT / ".dagster_home"
-        home.mkdir(exist_ok=True)
-        (home / "dagster.yaml").touch()
-        os.environ["DAGSTER_HOME"] = str(home)
+    # The instance folder, as `make` prepares it: $DAGSTER_HOME (created if missing, which
+    # Dagster refuses), else <project>/.dagster_home.
+    home = Path(os.environ.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home").absolute()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").touch()
+    os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
         known = set(instance.get_dynamic_partitions(DATASETS))
         new = [n for n in found if n not in known]

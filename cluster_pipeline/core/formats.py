@@ -58,6 +58,21 @@ FORMS = (
     "text",
 )
 
+# Every field some form reads: what fields.json may map onto.
+FIELD_NAMES = (
+    "instruction",
+    "input",
+    "output",
+    "response",
+    "problem",
+    "solution",
+    "prompt",
+    "completion",
+    "conversations",
+    "messages",
+    "text",
+)
+
 _ROLE_ALIASES = {
     "human": "user",
     "user": "user",
@@ -248,7 +263,9 @@ def normalise_record(
         return Sample("", text, "", "text", source_file, source_line)
     else:
         raise DatasetFormatError(
-            f"{where}: record with keys {sorted(map(str, record))[:12]} matches no accepted form. "
+            f"{where}: record with keys {sorted(map(str, record))[:12]}"
+            + (f" (after {FIELDS_CONFIG_NAME} renamed {fields})" if fields else "")
+            + " matches no accepted form. "
             + _ACCEPTED
         )
     if not prompt.strip():
@@ -432,6 +449,13 @@ def read_fields(folder: Path) -> dict[str, str]:
         raise DatasetFormatError(
             f"{path}: must map each of your field names to an accepted one, e.g. "
             '{"question": "instruction", "answer": "output"}.'
+        )
+    unknown = {k: v for k, v in fields.items() if v not in FIELD_NAMES}
+    if unknown:
+        bad = ", ".join(f"{k!r} -> {v!r}" for k, v in unknown.items())
+        raise DatasetFormatError(
+            f"{path}: {bad}: no accepted form has such a field; map onto one of "
+            f"{', '.join(FIELD_NAMES)}."
         )
     return fields
 

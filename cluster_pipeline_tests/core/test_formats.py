@@ -268,6 +268,21 @@ def test_fields_json_maps_a_users_own_fields(tmp_path):
     (tmp_path / "fields.json").write_text('["question"]')
     with pytest.raises(DatasetFormatError, match=r"fields\.json: must map each"):
         list(read_dataset_folder(tmp_path))
+    (tmp_path / "fields.json").write_text('{"question": "instruction", "answer": "reply"}')
+    with pytest.raises(DatasetFormatError) as e:
+        list(read_dataset_folder(tmp_path))
+    assert str(e.value) == (
+        f"{tmp_path / 'fields.json'}: 'answer' -> 'reply': no accepted form has such a field; "
+        "map onto one of instruction, input, output, response, problem, solution, prompt, "
+        "completion, conversations, messages, text."
+    )
+    (tmp_path / "fields.json").write_text('{"question": "instruction"}')
+    with pytest.raises(
+        DatasetFormatError,
+        match=r"qa\.jsonl:1: record with keys \['answer', "
+        r"'id', 'instruction'\] \(after fields\.json renamed",
+    ):
+        list(read_dataset_folder(tmp_path))
 
 
 def test_hugging_face_save_to_disk_folders_are_read(tmp_path):
