@@ -197,7 +197,14 @@ out["bomb"] = run_python(bomb, timeout_s=2.0).status
 out["memory"] = run_python("x = bytearray(4 * 2**30)\\n", memory_mb=512).status
 out["project"] = run_python("import os\\nassert not os.path.exists({project!r})\\n").status
 out["net"] = run_python("import socket\\nsocket.create_connection(('127.0.0.1', 22), 1)\\n").status
-out["tmp"] = run_python("open('/tmp/cp_user_marker', 'w').write('x')\\n").status
+out["tmp"] = run_python(
+    "open('/tmp/cp_user_marker', 'w').write('x')\\n"
+    "open('/dev/shm/cp_user_marker', 'w').write('x')\\n"
+).status
+import resource
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out["flood"] = [run_python({flood!r}, timeout_s=2.0).status,
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before]
 print(json.dumps(out))
 """
 
@@ -208,6 +215,7 @@ def test_isolation_holds_for_an_unprivileged_user():
         root=str(PROJECT_ROOT),
         setsid=SETSID_CHILD.format(marker="86400.777", parent_sleep=86400),
         project=str(PROJECT_ROOT / "pyproject.toml"),
+        flood=FLOOD,
     )
     out = subprocess.run(
         ["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", script],
@@ -223,3 +231,6 @@ def test_isolation_holds_for_an_unprivileged_user():
     assert got["project"] == "passed"  # the project is readable to nobody, not in the sandbox
     assert got["net"] == "failed" and got["tmp"] == "passed"
     assert not Path("/tmp/cp_user_marker").exists()
+    assert not Path("/dev/shm/cp_user_marker").exists()
+    status, growth_kib = got["flood"]
+    assert status == "timeout" and growth_kib < 50 * 1024
