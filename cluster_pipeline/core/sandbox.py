@@ -180,8 +180,10 @@ def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
     assert proc.stderr is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
-    exited = os.pidfd_open(proc.pid)
-    sel.register(exited, selectors.EVENT_READ, "exit")
+    # A pidfd wakes the loop when the process exits (Linux >= 5.3); elsewhere, poll.
+    exited = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+    if exited is not None:
+        sel.register(exited, selectors.EVENT_READ, "exit")
     tail = bytearray()
     timed_out = False
     try:
@@ -190,8 +192,10 @@ def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
             if remaining <= 0:
                 timed_out = True
                 break
-            events = sel.select(remaining)
-            if any(key.data == "exit" for key, _ in events):
+            events = sel.select(remaining if exited is not None else min(remaining, 0.02))
+            if any(key.data == "exit" for key, _ in events) or (
+                exited is None and proc.poll() is not None
+            ):
                 break
             for _key, _ in events:
                 chunk = os.read(proc.stderr.fileno(), 65536)
@@ -215,7 +219,8 @@ def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
                     del tail[:-OUTPUT_LIMIT]
     finally:
         sel.close()
-        os.close(exited)
+        if exited is not None:
+            os.close(exited)
     return bytes(tail), timed_out
 
 
