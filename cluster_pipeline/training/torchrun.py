@@ -14,6 +14,16 @@ import sys
 from pathlib import Path
 
 LAUNCH_MODULE = "cluster_pipeline.training.launch"
+# Written under --log-dir by the launcher when ranks fail: local rank -> exit code and signal.
+RANK_EXITS = "rank_exits.json"
+# Why a rank dies by a signal without writing an error, in plain words.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "likely out of memory (the kernel's OOM killer sends SIGKILL; see `dmesg`, "
+    "lower the batch size or max_length)",
+    "SIGSEGV": "a crash in native code (segmentation fault)",
+    "SIGBUS": "a crash in native code (bus error; often a full /dev/shm)",
+    "SIGABRT": "aborted by native code",
+}
 
 _PEER_LOST = re.compile(
     r"Connection closed by peer|remote worker crash|Connection reset by peer|Broken pipe|"
@@ -66,7 +76,9 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
     For each rank that wrote an ``error.json`` (entry points wrapped in ``@record``): its
     message and traceback, ordered by the time it failed, so the root cause leads and the
     ranks that merely lost their peer follow. Ranks without one contribute the tail of a stderr
-    that shows a traceback. Keys are ``rank_<local rank>``.
+    that shows a traceback; a rank killed by a signal (no error file: the OOM killer's SIGKILL, a
+    segfault) is named from the launcher's ``rank_exits.json`` with the signal and its likely
+    cause. Keys are ``rank_<local rank>``.
     """
     found: list[tuple[tuple[bool, float], str, str]] = []
     never = float("inf")
@@ -89,6 +101,21 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
             text = stderr.read_text(errors="replace")
             if "Traceback" in text:
                 found.append(((True, never), f"rank_{rank_dir.name}", text[-tail_chars:]))
+    exits_file = log_dir / RANK_EXITS
+    exits = json.loads(exits_file.read_text()) if exits_file.exists() else {}
+    named = {name for _, name, _ in found}
+    for rank, info in exits.items():
+        name, sig = f"rank_{rank}", info.get("signal")
+        if sig and name not in named:
+            # torchrun stops the other ranks with SIGTERM once one fails: a consequence.
+            stopped = sig in ("SIGTERM", "SIGINT")
+            cause = (
+                "stopped by torchrun after another rank failed, or by a user"
+                if stopped
+                else _SIGNAL_CAUSES.get(sig, "killed from outside the program")
+            )
+            text = f"killed by signal {sig} (exit code {info['exitcode']}): {cause}"
+            found.append(((stopped, float(info.get("timestamp", 0)) * 1e9), name, text))
     return {name: text for _, name, text in sorted(found)}
 
 

@@ -152,3 +152,21 @@ def test_sigint_to_the_launcher_stops_every_rank(tmp_path, tiny_model_dir):
     while time.time() < deadline and any(_alive(p) for p in everyone):
         time.sleep(0.2)
     assert not [p for p in everyone if _alive(p)]
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause(tmp_path):
+    from cluster_pipeline.training.torchrun import failure_summary, rank_failures, torchrun_command
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    cmd = torchrun_command("cluster_pipeline_tests.training.kill_rank", 2, [], log_dir=log_dir)
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.returncode != 0 and time.monotonic() - start < 60
+    failures = rank_failures(log_dir)
+    assert failures["rank_1"] == (
+        "killed by signal SIGKILL (exit code -9): likely out of memory (the kernel's OOM killer "
+        "sends SIGKILL; see `dmesg`, lower the batch size or max_length)"
+    )
+    summary = failure_summary(failures) or ""
+    assert summary.startswith("rank_1 failed first: killed by signal SIGKILL")
