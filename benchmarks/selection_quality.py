@@ -17,7 +17,8 @@ diversity and the inter-rank gradient cosine during training, then every paired 
 (95 % bootstrap interval over items and seeds, verdict), and writes them to --out (JSON).
 Ratios printed: training seconds against full data, measured in the same run.
 
-The defaults take about 90 minutes on an otherwise idle 2-core CPU machine.
+The defaults take about 90 minutes per dataset on a 2-core CPU machine (3 h for both; 2026-12-01,
+shared with other jobs); each dataset is printed and saved as soon as it is done.
 """
 
 from __future__ import annotations
@@ -250,20 +251,23 @@ def main() -> None:
 
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     work = Path(tempfile.mkdtemp(prefix="selection_quality_"))
-    outs = [run_dataset(name, args, model_path, work, log) for name in args.datasets]
-    for out in outs:
-        print_dataset(out)
-    args.out.write_text(
-        json.dumps(
-            {
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "seconds": time.perf_counter() - start,
-                "datasets": outs,
-            },
-            indent=1,
-            default=str,
+    outs = []
+    for name in args.datasets:
+        # Each dataset's comparisons are printed and saved as soon as it is done, so a run
+        # stopped midway keeps what it finished.
+        outs.append(run_dataset(name, args, model_path, work, log))
+        print_dataset(outs[-1])
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "seconds": time.perf_counter() - start,
+                    "datasets": outs,
+                },
+                indent=1,
+                default=str,
+            )
         )
-    )
     print(f"\ntotal {time.perf_counter() - start:.0f} s; results in {args.out}")
 
 
