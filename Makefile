@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 BWRAP := /usr/bin/bwrap
+# The project's Dagster instance settings (run queue per partition, run monitoring), copied into
+# $(DAGSTER_HOME) unless a non-empty dagster.yaml is already there.
+INSTANCE = mkdir -p $(DAGSTER_HOME) && { [ -s $(DAGSTER_HOME)/dagster.yaml ] || \
+	cp cluster_pipeline/defs/instance/dagster.yaml $(DAGSTER_HOME)/dagster.yaml; }
 DATASET ?= python_stdlib
 PORT ?= 3000
 HOST ?= 127.0.0.1
@@ -50,7 +54,7 @@ format: setup
 
 # The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
 run: setup
-	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
+	$(INSTANCE)
 	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
 		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
@@ -70,7 +74,7 @@ validate: setup
 # The web UI on http://$(HOST):$(PORT) (loopback unless HOST is set); runs and their logs
 # persist in $(DAGSTER_HOME).
 dev: setup
-	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
+	$(INSTANCE)
 	$(BIN)/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
 
 # Checkpoints of other selectors, ratios and seeds on the same dataset, then the comparison
@@ -83,7 +87,7 @@ RATIOS ?= 0.5
 SEEDS ?= 0
 COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
 compare: setup
-	mkdir -p $(DAGSTER_HOME) && touch $(DAGSTER_HOME)/dagster.yaml
+	$(INSTANCE)
 	for sel in $(SELECTORS); do for ratio in $(RATIOS); do for seed in $(SEEDS); do \
 		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) --ratio $$ratio \
 			> .compare_config.yaml && \

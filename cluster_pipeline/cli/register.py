@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from cluster_pipeline.cli import UserError
 from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
 from cluster_pipeline.core.formats import SUPPORTED_SUFFIXES
 from cluster_pipeline.core.layout import PROJECT_ROOT, DataLayout, default_data_dir
+from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
 from cluster_pipeline.defs.partitions import DATASETS
 
 
@@ -58,7 +60,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # Dagster refuses), else <project>/.dagster_home.
     home = Path(os.environ.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home").absolute()
     home.mkdir(parents=True, exist_ok=True)
-    (home / "dagster.yaml").touch()
+    settings = home / "dagster.yaml"
+    if not settings.exists() or settings.stat().st_size == 0:
+        shutil.copyfile(INSTANCE_SETTINGS, settings)
     os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
         known = set(instance.get_dynamic_partitions(DATASETS))

@@ -333,3 +333,21 @@ def test_a_bad_eval_json_fails_raw_instructions_and_keeps_earlier_tables(tiny_da
         ).success
         assert meta(instance, "raw_instructions")["benchmarks"] == ["mmlu_medical"]
         assert read(instance, "raw_instructions").height == 60
+
+
+def test_instance_settings_queue_one_run_per_partition_and_monitor_runs(tmp_path):
+    """The settings `make` and the datasets CLI install: Dagster's own run-queue rule, fed
+    the project's limits, holds a second run of a partition while the first is in progress and
+    lets another partition's run through; run monitoring is on."""
+    from dagster._utils.tags import TagConcurrencyLimitsCounter
+
+    out = _cli(tmp_path / "home", "datasets", "list", "--data-dir", str(tmp_path / "data"))
+    assert out.returncode == 0, out.stderr
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        assert instance.run_monitoring_enabled
+        limits = instance.run_coordinator.get_run_queue_config().tag_concurrency_limits
+        running = dg.DagsterRun(job_name="g", tags={"dagster/partition": "med"})
+        same = dg.DagsterRun(job_name="g", tags={"dagster/partition": "med"})
+        other = dg.DagsterRun(job_name="g", tags={"dagster/partition": "code"})
+        counter = TagConcurrencyLimitsCounter(limits, [running])
+        assert counter.is_blocked(same) and not counter.is_blocked(other)
