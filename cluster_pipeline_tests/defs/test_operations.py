@@ -339,13 +339,16 @@ def test_instance_settings_queue_one_run_per_partition_and_monitor_runs(tmp_path
     """The settings `make` and the datasets CLI install: Dagster's own run-queue rule, fed
     the project's limits, holds a second run of a partition while the first is in progress and
     lets another partition's run through; run monitoring is on."""
+    from dagster._core.run_coordinator import QueuedRunCoordinator
     from dagster._utils.tags import TagConcurrencyLimitsCounter
 
     out = _cli(tmp_path / "home", "datasets", "list", "--data-dir", str(tmp_path / "data"))
     assert out.returncode == 0, out.stderr
     with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
         assert instance.run_monitoring_enabled
-        limits = instance.run_coordinator.get_run_queue_config().tag_concurrency_limits
+        coordinator = instance.run_coordinator
+        assert isinstance(coordinator, QueuedRunCoordinator)
+        limits = coordinator.get_run_queue_config().tag_concurrency_limits
         running = dg.DagsterRun(job_name="g", tags={"dagster/partition": "med"})
         same = dg.DagsterRun(job_name="g", tags={"dagster/partition": "med"})
         other = dg.DagsterRun(job_name="g", tags={"dagster/partition": "code"})
