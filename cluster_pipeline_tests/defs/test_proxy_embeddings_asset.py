@@ -7,7 +7,7 @@ import pytest
 from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
 from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
 from cluster_pipeline.defs.partitions import DATASETS
-from cluster_pipeline_tests.helpers import meta, read, resources
+from cluster_pipeline_tests.helpers import meta, read, resources, tiny_records, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +53,23 @@ def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
         # Other settings make another cache entry.
         _run(instance, tiny_data_dir, tiny_model_dir, max_length=48)
         assert meta(instance, "proxy_embeddings")["cache_key"] != m1["cache_key"]
+
+
+def test_skipped_and_truncated_samples_are_counted_and_traced(tmp_path, tiny_model_dir):
+    long = {"instruction": "Explain. " + "word " * 200, "input": "", "output": "Short."}
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "tiny" / "a.jsonl", [long, *tiny_records(20)])
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        skip = _run(instance, data, tiny_model_dir, truncation="skip")
+        m = meta(instance, "proxy_embeddings")
+        assert m["skipped"] == {"no_response_tokens": 1} and m["embedded"] == 18
+        logs = [e.user_message for e in instance.all_logs(skip.run_id)]
+        assert any(
+            "(no_response_tokens, truncation=skip): " in msg and msg.endswith("a.jsonl:1")
+            for msg in logs
+        )
+        _run(instance, data, tiny_model_dir, truncation="left")
+        m = meta(instance, "proxy_embeddings")
+        assert m["skipped"] == {} and m["embedded"] == 19
+        assert m["truncated"] == {"prompt_start": 1}

@@ -4,9 +4,11 @@ import shutil
 import time
 
 import dagster as dg
+import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core.cache import model_fingerprint, stable_hash
+from cluster_pipeline.core.datasets import read_instructions
 from cluster_pipeline.core.tables import mean_of, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
@@ -105,8 +107,20 @@ def proxy_embeddings(
     pass_seconds = float(stats.get("seconds", 0.0))
     context.log.info(
         f"{result.embedded} embedded, {result.frame.height - result.embedded} "
-        f"skipped in {seconds:.1f} s"
+        f"skipped in {seconds:.1f} s; truncated: {result.truncated or 'none'}"
     )
+    skipped = result.frame.filter(pl.col("skip_reason").is_not_null())
+    if skipped.height:
+        sources = read_instructions(
+            instructions.table.uri,
+            instructions.table.version,
+            ["sample_id", "source_file", "source_line"],
+        )
+        for row in skipped.head(5).join(sources, on="sample_id").iter_rows(named=True):
+            context.log.info(
+                f"skipped {row['sample_id']} ({row['skip_reason']}, truncation="
+                f"{settings.truncation}): {row['source_file']}:{row['source_line']}"
+            )
     record = ProxyEmbeddingsRecord(
         table=table,
         inputs=instructions.lineage(),
