@@ -18,6 +18,7 @@ from cluster_pipeline.core.report import (
     markdown_table,
     render_report,
 )
+from cluster_pipeline.core.sandbox import sandbox_problem
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
 
@@ -187,6 +188,7 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
                     "humaneval_problems": 3,
                     "max_new_tokens": 8,
                     "eval_data_dir": str(eval_dir),
+                    "unsafe_sandbox": sandbox_problem() is not None,
                 }
             }
         }
