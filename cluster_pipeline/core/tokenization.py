@@ -150,6 +150,10 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return [*sequence_start(tokenizer), *tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def _eos(tokenizer) -> tuple[int, ...]:
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+
+
 def _special_texts(tokenizer) -> list[str]:
     return [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
 
@@ -242,7 +246,7 @@ def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") 
     """
     if not any(m["role"] in ("user", "tool") for m in messages):  # plain text
         text = "\n\n".join(m["content"] for m in messages)
-        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        eos = _eos(tokenizer)
         return [Piece(text, True, plain=True, end_ids=eos)]
     trained = _trained(messages, response_turns)
     if getattr(tokenizer, "chat_template", None):
@@ -250,7 +254,7 @@ def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") 
         if any(t in m["content"] for m in messages for t in specials):
             return _plain_content_pieces(tokenizer, messages, trained)
         return _split(*_template_spans(tokenizer, messages, trained))
-    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    eos = _eos(tokenizer)
     pieces = []
     for i, m in enumerate(messages):
         if m["role"] == "system":
@@ -323,8 +327,7 @@ def _drop_start(tokenizer, content: str, n_tokens: int) -> str:
 def _encode(tokenizer, messages, response_turns):
     pieces = render_pieces(tokenizer, messages, response_turns)
     ids, flags = _tokenize(tokenizer, pieces)
-    first = flags.index(True) if True in flags else len(flags)
-    return ids, flags, first
+    return ids, flags, _first_label(flags)
 
 
 def encode_conversation(
@@ -380,21 +383,29 @@ def encode_conversation(
                 ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_PROMPT_TOO_LONG
             )
         # else: the prompt fits as it is; cut only the response's end (as under ``skip``).
-    if first >= max_length:
+    return _fit(ids, flags, max_length, prompt_cut)
+
+
+def _fit(ids: list[int], flags: list[bool], max_length: int, prompt_cut: int = 0) -> EncodedSample:
+    """The sample cut to ``max_length`` at the end, or skipped when no trained token fits."""
+    if _first_label(flags) >= max_length:
         return EncodedSample(
             ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
         )
     response_cut = max(0, len(ids) - max_length)
     ids, flags = ids[:max_length], flags[:max_length]
-    labels = [t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)]
     return EncodedSample(
         input_ids=ids,
-        labels=labels,
+        labels=[t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)],
         n_response_tokens=sum(flags),
         truncated=bool(prompt_cut or response_cut),
         prompt_tokens_cut=prompt_cut,
         response_tokens_cut=response_cut,
     )
+
+
+def _first_label(flags: list[bool]) -> int:
+    return flags.index(True) if True in flags else len(flags)
 
 
 def encode_sample(
@@ -476,23 +487,11 @@ def encode_texts(tokenizer, prompt_text: str, response_text: str, max_length: in
     are tokenized separately and concatenated after the :func:`sequence_start` ids, labels
     cover the response only; without a chat template EOS closes the response. Truncation cuts
     the response's end; a prompt that fills the window skips the pair."""
-    eos = (
-        ()
-        if (getattr(tokenizer, "chat_template", None) or tokenizer.eos_token_id is None)
-        else (tokenizer.eos_token_id,)
-    )
+    eos = () if getattr(tokenizer, "chat_template", None) else _eos(tokenizer)
     ids, flags = _tokenize(
         tokenizer, [Piece(prompt_text, False), Piece(response_text, True, end_ids=eos)]
     )
-    first = flags.index(True) if True in flags else len(flags)
-    if first >= max_length:
-        return EncodedSample(
-            ids[:max_length], [IGNORE_INDEX] * max_length, 0, True, SKIP_NO_RESPONSE_TOKENS
-        )
-    cut = max(0, len(ids) - max_length)
-    ids, flags = ids[:max_length], flags[:max_length]
-    labels = [t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)]
-    return EncodedSample(ids, labels, sum(flags), bool(cut), response_tokens_cut=cut)
+    return _fit(ids, flags, max_length)
 
 
 def collate(
