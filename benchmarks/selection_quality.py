@@ -233,12 +233,12 @@ def print_dataset(out: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["python_stdlib", "gpteacher_codegen"])
-    p.add_argument("--pool", type=int, default=100, help="training pool N per dataset")
-    p.add_argument("--heldout", type=int, default=100)
+    p.add_argument("--pool", type=int, default=128, help="training pool N per dataset")
+    p.add_argument("--heldout", type=int, default=160)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--ratio", type=float, default=0.4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--humaneval", type=int, default=32, help="HumanEval problems (solution NLL)")
+    p.add_argument("--humaneval", type=int, default=40, help="HumanEval problems (solution NLL)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_quality.json")
     args = p.parse_args()
 
