@@ -8,6 +8,8 @@ BWRAP := /usr/bin/bwrap
 INSTANCE = mkdir -p $(DAGSTER_HOME) && { [ -s $(DAGSTER_HOME)/dagster.yaml ] || \
 	cp cluster_pipeline/defs/instance/dagster.yaml $(DAGSTER_HOME)/dagster.yaml; }
 DATASET ?= python_stdlib
+PROFILE ?= cpu_quick
+JOB = $(if $(filter cpu_quick,$(PROFILE)),main_job,main_job_$(PROFILE))
 PORT ?= 3000
 HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
@@ -52,12 +54,15 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib).
+# The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib),
+# with a size profile's config (cluster_pipeline/defs/profiles.py): the same job and config as
+# the launchpad of main_job (main_job_<profile> for other profiles) shows.
 run: setup
 	$(INSTANCE)
 	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
-	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j main_job \
-		-c cluster_pipeline/defs/run_config/cpu_quick.yaml --tags '{"dagster/partition": "$(DATASET)"}'
+	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml
+	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j $(JOB) -c .run_config.yaml \
+		--tags '{"dagster/partition": "$(DATASET)"}'
 	@echo "report: data/reports/$(DATASET)/eval_report.md"
 
 # The whole test suite, slow end-to-end tests included (what CI runs).
@@ -90,11 +95,12 @@ compare: setup
 	$(INSTANCE)
 	for sel in $(SELECTORS); do for ratio in $(RATIOS); do for seed in $(SEEDS); do \
 		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) --ratio $$ratio \
-			> .compare_config.yaml && \
+			--profile $(PROFILE) > .compare_config.yaml && \
 		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
 	done; done; done
-	$(BIN)/cluster-pipeline compare-config peripheral 0 $(COMPARE_TRAIN),eval_report > .compare_config.yaml
+	$(BIN)/cluster-pipeline compare-config peripheral 0 $(COMPARE_TRAIN),eval_report \
+		--profile $(PROFILE) > .compare_config.yaml
 	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 		--select $(COMPARE_TRAIN),eval_report -c .compare_config.yaml
 	rm -f .compare_config.yaml

@@ -134,6 +134,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 settings=TrainSettings(
                     max_length=args.max_length,
                     per_device_batch_size=4,
+                    gradient_accumulation_steps=1,
                     learning_rate=1e-4,
                     seed=seed,
                     grad_cosine_every=5,

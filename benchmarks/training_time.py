@@ -70,7 +70,10 @@ def main() -> None:
         paths = [str(m.write(work / selector)) for m in alloc.manifests]
         out = work / f"ckpt_{selector}"
         settings = TrainSettings(
-            max_length=args.max_length, per_device_batch_size=args.batch_size, learning_rate=5e-5
+            max_length=args.max_length,
+            per_device_batch_size=args.batch_size,
+            gradient_accumulation_steps=1,
+            learning_rate=5e-5,
         )
         TrainJob(
             settings=settings,

@@ -178,7 +178,12 @@ RUN_CONFIG = {
         "balanced_clusters": {"config": {"num_clusters": 2, "alpha": 1.3}},
         "peripheral_subsets": {"config": {"ratio": 0.5}},
         "trained_checkpoint": {
-            "config": {"max_length": 64, "per_device_batch_size": 2, "learning_rate": 1e-3}
+            "config": {
+                "max_length": 64,
+                "per_device_batch_size": 2,
+                "gradient_accumulation_steps": 1,
+                "learning_rate": 1e-3,
+            }
         },
         "eval_report": {
             "config": {
@@ -261,7 +266,10 @@ def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: i
         )
         manifests.append(str(m.write(tmp_path / "shards")))
     job = TrainJob(
-        settings=TrainSettings(max_length=64, **settings),
+        # One micro-batch per step unless a test says otherwise (the tests count steps).
+        settings=TrainSettings(
+            max_length=64, **{"gradient_accumulation_steps": 1, "learning_rate": 5e-5, **settings}
+        ),
         model_path=str(model_dir),
         instructions_uri=table.uri,
         instructions_version=table.version,

@@ -1,4 +1,5 @@
-"""The ``cluster-pipeline`` command line: ``datasets``, ``lineage`` and ``compare-config``.
+"""The ``cluster-pipeline`` command line: ``datasets``, ``lineage``, ``run-config`` and
+``compare-config``.
 Entry point :func:`cluster_pipeline.cli.main.main` (``[project.scripts]``)."""
 
 

@@ -1,18 +1,24 @@
-"""``cluster-pipeline``: register dataset partitions, trace samples, and print comparison run
-configs, from a shell.
+"""``cluster-pipeline``: register dataset partitions, trace samples, and print run configs (a
+size profile's, a comparison's), from a shell.
 
     cluster-pipeline datasets [list|sync] [--require NAME]
     cluster-pipeline lineage <dataset> (<sample_id>... | --selected | --diff OLD NEW) [--json]
+    cluster-pipeline run-config [<profile>] [--assets <asset>[,<asset>...]]
     cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
 """
 
 import argparse
 import signal
 
-from cluster_pipeline.cli import UserError, compare, register, trace
+from cluster_pipeline.cli import UserError, compare, register, run_config, trace
 from cluster_pipeline.core.formats import DatasetFormatError
 
-COMMANDS = {"datasets": register, "lineage": trace, "compare-config": compare}
+COMMANDS = {
+    "datasets": register,
+    "lineage": trace,
+    "run-config": run_config,
+    "compare-config": compare,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -497,13 +497,13 @@ class EvalSettings(SequenceSettings):
         "humaneval + mbpp for python_stdlib.",
     )
     humaneval_problems: int = Field(
-        default=164, ge=0, le=164, description="First N HumanEval problems (0 = none)."
+        default=16, ge=0, le=164, description="First N HumanEval problems (0 = none; all 164)."
     )
-    mbpp_problems: int = Field(default=397, ge=0, description="First N MBPP-style problems.")
+    mbpp_problems: int = Field(default=16, ge=0, description="First N MBPP-style problems.")
     mmlu_questions: int = Field(
         default=200, ge=0, description="MMLU questions (a seeded sample over the chosen topics)."
     )
-    max_new_tokens: int = Field(default=384, ge=1, description="Generation budget per problem.")
+    max_new_tokens: int = Field(default=200, ge=1, description="Generation budget per problem.")
     timeout_s: float = Field(default=5.0, gt=0, description="Seconds per generated program.")
     unsafe_sandbox: bool = Field(
         default=False,

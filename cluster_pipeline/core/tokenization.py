@@ -70,7 +70,7 @@ class SequenceSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_length: int = Field(default=512, ge=2, description="Max tokens per sample.")
+    max_length: int = Field(default=256, ge=2, description="Max tokens per sample.")
     truncation: Truncation = Field(
         default="left",
         description="When a sample passes max_length: skip (drop it if the prompt fills the "

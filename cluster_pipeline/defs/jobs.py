@@ -1,34 +1,43 @@
-"""The main job: all seven stages for one dataset partition, sized for a 2-core CPU by default.
+"""The main job, one per size profile, and the selection job.
 
-Its default run config, ``run_config/cpu_quick.yaml`` (shown in the launchpad; the CLI passes
-the same file with ``-c``), keeps a CPU run to about 15 minutes on ``python_stdlib``: N = 600
-training samples, max length 256 tokens, K = 2, r = 0.5, one epoch, 64 held-out samples and the
-first 16 HumanEval and 16 MBPP problems. Raise them on a GPU machine.
+``main_job`` runs all seven stages for one dataset partition with the default size profile,
+``cpu_quick`` (:mod:`cluster_pipeline.defs.profiles`): N = 600 training samples, max length 256
+tokens, K = 2, r = 0.5, one epoch, 64 held-out samples and the first 16 HumanEval and 16 MBPP
+problems, about 10-25 minutes on 2 CPU cores on ``python_stdlib``. Its launchpad shows that
+config; ``make run`` executes the job with it. ``main_job_<profile>`` does the same with another
+profile's sizes (``main_job_gpu8``: one node of 8 GPUs).
 """
 
-from pathlib import Path
-
 import dagster as dg
-import yaml
 
+from cluster_pipeline.defs.profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    job_name,
+    profile_run_config,
+)
 from cluster_pipeline.defs.stages import SELECTION_STAGES, STAGES
 
-CPU_QUICK_CONFIG_PATH = Path(__file__).parent / "run_config" / "cpu_quick.yaml"
-CPU_QUICK_CONFIG = yaml.safe_load(CPU_QUICK_CONFIG_PATH.read_text())
 
-main_job = dg.define_asset_job(
-    "main_job",
-    selection=dg.AssetSelection.assets(*STAGES),
-    config=CPU_QUICK_CONFIG,
-    description="raw_instructions -> ... -> eval_report for one dataset partition.",
-)
+def main_job_of(profile: str):
+    """All seven stages with ``profile``'s sizes as the job's (launchpad-editable) config."""
+    return dg.define_asset_job(
+        job_name(profile),
+        selection=dg.AssetSelection.assets(*STAGES),
+        config=profile_run_config(profile),
+        tags={"cluster_pipeline/profile": profile},
+        description=f"raw_instructions -> ... -> eval_report for one dataset partition, "
+        f"size profile {profile}.",
+    )
+
+
+main_jobs = [main_job_of(profile) for profile in PROFILES]
+main_job = main_jobs[0]
 
 selection_job = dg.define_asset_job(
     "selection_job",
     selection=dg.AssetSelection.assets(*SELECTION_STAGES),
-    config={
-        "ops": {k: v for k, v in CPU_QUICK_CONFIG["ops"].items() if k in SELECTION_STAGES},
-        "loggers": CPU_QUICK_CONFIG.get("loggers", {}),
-    },
+    config=profile_run_config(DEFAULT_PROFILE, SELECTION_STAGES),
+    tags={"cluster_pipeline/profile": DEFAULT_PROFILE},
     description="The cheap selection chain, raw_instructions -> shard_manifests.",
 )

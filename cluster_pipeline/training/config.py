@@ -78,13 +78,13 @@ class TrainSettings(_Model, SequenceSettings):
         default=4, ge=1, description="Samples per rank per micro-batch."
     )
     gradient_accumulation_steps: int = Field(
-        default=1, ge=1, description="Micro-batches per optimizer step."
+        default=2, ge=1, description="Micro-batches per optimizer step."
     )
     epochs: int = Field(default=1, ge=1, description="Passes over each rank's shard.")
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many optimizer steps (None = all epochs)."
     )
-    learning_rate: float = Field(default=5e-5, gt=0.0, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(default=1e-4, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_ratio: float = Field(
         default=0.1, ge=0.0, lt=1.0, description="Fraction of steps of linear warmup."

@@ -4,16 +4,17 @@ import yaml
 
 from cluster_pipeline.cli.compare import compare_config
 from cluster_pipeline.cli.main import main
-from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
+from cluster_pipeline.defs.profiles import profile_run_config
 
-ASSETS = {"peripheral_subsets", "shard_manifests", "trained_checkpoint"}
+ASSETS = ["peripheral_subsets", "shard_manifests", "trained_checkpoint"]
+CPU_QUICK = profile_run_config("cpu_quick")["ops"]
 
 
 def test_seed_is_the_selection_and_the_training_seed_and_ratio_is_set():
     cfg = compare_config("core", 2, ASSETS, ratio=0.25)["ops"]
     assert cfg["peripheral_subsets"]["config"] == {"selector": "core", "ratio": 0.25, "seed": 2}
     train = cfg["trained_checkpoint"]["config"]
-    assert train == {**CPU_QUICK_CONFIG["ops"]["trained_checkpoint"]["config"], "seed": 2}
+    assert train == {**CPU_QUICK["trained_checkpoint"]["config"], "seed": 2}
     assert set(cfg) == {"peripheral_subsets", "trained_checkpoint"}  # shard_manifests: defaults
 
 
@@ -24,7 +25,7 @@ def test_full_data_ignores_the_ratio_and_the_default_ratio_is_the_main_jobs():
         ]
         == 1.0
     )
-    default = CPU_QUICK_CONFIG["ops"]["peripheral_subsets"]["config"]["ratio"]
+    default = CPU_QUICK["peripheral_subsets"]["config"]["ratio"]
     assert (
         compare_config("random_global", 0, ASSETS)["ops"]["peripheral_subsets"]["config"]["ratio"]
         == default
@@ -44,3 +45,19 @@ def test_an_unknown_asset_is_refused(capsys):
         main(["compare-config", "core", "0", "peripheral_subsets,nosuch_asset"])
     assert exit_.value.code == 2
     assert "unknown asset(s) nosuch_asset; choose from raw_instructions" in capsys.readouterr().err
+
+
+def test_run_config_prints_the_profile_and_refuses_an_unknown_one(capsys):
+    import pytest
+
+    main(["run-config", "gpu8", "--assets", "balanced_clusters"])
+    assert yaml.safe_load(capsys.readouterr().out)["ops"] == {
+        "balanced_clusters": {"config": {"num_clusters": 8, "alpha": 1.0}}
+    }
+    with pytest.raises(SystemExit) as exit_:
+        main(["run-config", "gpu9"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "cluster-pipeline run-config: error: unknown size profile 'gpu9'; "
+        "choose from cpu_quick, gpu8\n"
+    )

@@ -4,7 +4,7 @@ import dagster as dg
 import pytest
 
 from cluster_pipeline.definitions import defs
-from cluster_pipeline.defs.jobs import CPU_QUICK_CONFIG
+from cluster_pipeline.defs.profiles import PROFILES, job_name, profile_run_config
 from cluster_pipeline.defs.resources import TorchrunResource
 from cluster_pipeline.defs.stages import STAGES
 
@@ -45,7 +45,6 @@ def test_checks_jobs_and_sensor(definitions):
     }
     main = definitions.resolve_job_def("main_job")
     assert main.executor_def.name == "multiprocess"
-    assert set(CPU_QUICK_CONFIG["ops"]) <= set(STAGES)
     assert sorted(s.name for s in definitions.sensors) == [
         "dataset_folders_sensor",
         "selection_automation_sensor",
@@ -60,11 +59,56 @@ def test_checks_jobs_and_sensor(definitions):
     assert conditions["trained_checkpoint"] is None and conditions["eval_report"] is None
 
 
-def test_main_job_default_config_is_valid(definitions):
-    main = definitions.resolve_job_def("main_job")
+def _op_configs(job: dg.JobDefinition, run_config: dict) -> dict:
     from dagster._core.system_config.objects import ResolvedRunConfig
 
-    ResolvedRunConfig.build(main, CPU_QUICK_CONFIG)
+    resolved = ResolvedRunConfig.build(job, run_config)
+    return {stage: resolved.ops[stage].config for stage in STAGES}
+
+
+def test_each_profile_has_a_main_job_whose_default_config_is_the_profiles(definitions):
+    for profile in PROFILES:
+        job = definitions.resolve_job_def(job_name(profile))
+        assert job.tags["cluster_pipeline/profile"] == profile
+        config = job.get_run_config_for_partition_key("python_stdlib")
+        assert config == profile_run_config(profile)
+        _op_configs(job, config)  # valid against the stages' schemas
+
+
+def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
+    """Materialize in the asset graph, the automation sensor and ``dagster asset materialize``
+    without -c start with the schema defaults: the same resolved config as main_job's."""
+    main = definitions.resolve_job_def("main_job")
+    assert _op_configs(main, {}) == _op_configs(main, profile_run_config("cpu_quick"))
+    # The sizes README.md and the job's docstring state.
+    ops = profile_run_config("cpu_quick")["ops"]
+    assert ops["raw_instructions"]["config"] == {"max_train_samples": 600, "max_heldout": 64}
+    assert ops["proxy_embeddings"]["config"]["max_length"] == 256
+    assert ops["balanced_clusters"]["config"]["num_clusters"] == 2
+    assert ops["peripheral_subsets"]["config"] == {"selector": "peripheral", "ratio": 0.5}
+    train = ops["trained_checkpoint"]["config"]
+    assert (train["max_length"], train["per_device_batch_size"]) == (256, 4)
+    assert (train["gradient_accumulation_steps"], train["epochs"]) == (2, 1)
+    assert train["learning_rate"] == 1e-4
+    evaluation = ops["eval_report"]["config"]
+    assert (evaluation["humaneval_problems"], evaluation["mbpp_problems"]) == (16, 16)
+    assert evaluation["max_new_tokens"] == 200
+
+
+def test_the_selection_job_and_the_gpu_profile(definitions):
+    selection = definitions.resolve_job_def("selection_job")
+    config = selection.get_run_config_for_partition_key("python_stdlib")
+    assert set(config["ops"]) == {
+        "raw_instructions",
+        "proxy_embeddings",
+        "balanced_clusters",
+        "peripheral_subsets",
+    }
+    assert config["ops"]["proxy_embeddings"] == profile_run_config()["ops"]["proxy_embeddings"]
+    gpu = profile_run_config("gpu8")["ops"]
+    assert gpu["raw_instructions"]["config"]["max_train_samples"] is None  # the whole pool
+    assert gpu["balanced_clusters"]["config"]["num_clusters"] == 8
+    assert gpu["proxy_embeddings"]["config"]["world_size"] == 8
 
 
 def test_torchrun_command_lines():

@@ -175,3 +175,66 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         finally:
             browser.close()
     assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
+
+
+def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
+    """main_job's launchpad opens with the cpu_quick profile's config, the file ``make run``
+    writes with ``cluster-pipeline run-config`` and passes to ``dagster job execute -j main_job``;
+    main_job_gpu8's opens with the gpu8 profile's."""
+    import yaml
+    from playwright.sync_api import sync_playwright
+
+    url, _ = webserver
+    dry_run = subprocess.run(
+        ["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "cluster-pipeline run-config cpu_quick > .run_config.yaml" in dry_run
+    assert (
+        "dagster job execute -m cluster_pipeline.definitions -j main_job -c .run_config.yaml"
+        in (" ".join(dry_run.replace("\\\n", " ").split()))
+    )
+    cli = [str(Path(sys.executable).parent / "cluster-pipeline"), "run-config"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.add_locator_handler(
+                page.get_by_role("button", name="Skip"), lambda skip: skip.click()
+            )
+            for job, profile in (("main_job", "cpu_quick"), ("main_job_gpu8", "gpu8")):
+                make_run_passes = yaml.safe_load(
+                    subprocess.run(
+                        [*cli, profile], capture_output=True, text=True, check=True
+                    ).stdout
+                )
+                page.goto(
+                    f"{url}/locations/cluster_pipeline/jobs/{job}/playground",
+                    wait_until="networkidle",
+                )
+                page.locator(".CodeMirror").first.wait_for(timeout=30000)
+                # A dataset partition is required; picking it loads the job's config for it.
+                page.get_by_placeholder("Partition").click()
+                page.get_by_placeholder("Partition").fill("tiny")
+                page.get_by_role("menuitem", name="tiny").first.click()
+                text = ""
+                for _ in range(40):  # the editor fills once the job's config has loaded
+                    text = page.evaluate(
+                        "() => document.querySelector('.CodeMirror').CodeMirror.getValue()"
+                    )
+                    if "loggers" in text:
+                        break
+                    page.wait_for_timeout(500)
+                page.screenshot(path=ARTIFACTS / f"08_launchpad_{job}.png")
+                shown = yaml.safe_load(text)
+                # The launchpad also spells out every other knob at its schema default, which
+                # is what make run's run gets for knobs its file leaves out.
+                for stage, values in make_run_passes["ops"].items():
+                    launchpad = shown["ops"][stage]["config"]
+                    assert {k: launchpad[k] for k in values["config"]} == values["config"], (
+                        job,
+                        stage,
+                    )
+                assert shown["loggers"] == make_run_passes["loggers"]
+        finally:
+            browser.close()

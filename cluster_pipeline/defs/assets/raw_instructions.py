@@ -25,12 +25,13 @@ class RawInstructionsConfig(dg.Config):
         "before any selection.",
     )
     max_heldout: int | None = Field(
-        default=500, ge=1, description="Cap on held-out samples (None = no cap)."
+        default=64, ge=1, description="Cap on held-out samples (None = no cap)."
     )
     max_train_samples: int | None = Field(
-        default=None,
+        default=600,
         ge=1,
-        description="Cap on the training pool N, a seeded subset (None = all). For quick runs.",
+        description="Cap on the training pool N, a seeded subset (None = all; the cpu_quick "
+        "default keeps 600).",
     )
     seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
 
