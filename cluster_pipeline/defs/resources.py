@@ -59,9 +59,17 @@ class TorchrunResource(dg.ConfigurableResource):
     rdzv_id: str = Field(default="cluster_pipeline", description="Rendezvous job id.")
 
     def command(
-        self, module: str, nproc_per_node: int, args: list[str], log_dir: Path | None = None
+        self,
+        module: str,
+        nproc_per_node: int,
+        args: list[str],
+        log_dir: Path | None = None,
+        local: bool = False,
     ) -> list[str]:
-        """See :func:`cluster_pipeline.training.torchrun.torchrun_command`."""
+        """See :func:`cluster_pipeline.training.torchrun.torchrun_command`; ``local``: this
+        machine only (``--standalone``) whatever the rendezvous settings."""
+        if local:
+            return torchrun_command(module, nproc_per_node, args, log_dir=log_dir)
         return torchrun_command(
             module,
             nproc_per_node,
@@ -80,10 +88,12 @@ class TorchrunResource(dg.ConfigurableResource):
         module: str,
         nproc_per_node: int,
         job_file: Path,
+        local: bool = False,
     ) -> dg.PipesClientCompletedInvocation:
         """Run ``torchrun ... -m module --config job_file``; rank 0 reports through Pipes.
 
-        Every rank's output is teed to ``<job_file>.logs/``.
+        Every rank's output is teed to ``<job_file>.logs/``. ``local``: on this machine only
+        (see :meth:`command`).
 
         Raises:
             dagster.Failure: the launch failed; it names the dataset (partition) and the rank that
@@ -93,7 +103,9 @@ class TorchrunResource(dg.ConfigurableResource):
         log_dir = Path(f"{job_file}.logs")
         shutil.rmtree(log_dir, ignore_errors=True)  # an earlier launch's logs would be misread
         log_dir.mkdir(parents=True)
-        command = self.command(module, nproc_per_node, ["--config", str(job_file)], log_dir)
+        command = self.command(
+            module, nproc_per_node, ["--config", str(job_file)], log_dir, local=local
+        )
         try:
             return pipes_client.run(context=context, command=command)
         except DagsterPipesExecutionError as e:

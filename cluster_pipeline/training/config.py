@@ -16,6 +16,7 @@ from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster_pipeline.core.evaluation import EvalSettings
 from cluster_pipeline.core.tokenization import SequenceSettings
 
 Schedule = Literal["cosine", "linear", "constant"]
@@ -135,6 +136,19 @@ class TrainJob(JobFile):
     manifests: list[str] = Field(min_length=1, description="One shard manifest per rank.")
     output_dir: str
     provenance: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalJob(JobFile):
+    """One model's evaluation: settings, the model, the pinned held-out split's table, the
+    benchmarks and where their files are, and the JSON file the outcome is written to."""
+
+    settings: EvalSettings
+    model_path: str
+    instructions_uri: str
+    instructions_version: int = Field(ge=0)
+    benchmarks: list[str]
+    eval_folders: list[str]
+    output: str
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

@@ -1,6 +1,7 @@
 """Stage 6: was the subset worth it? Base model, the CluSTER checkpoint and every other
 checkpoint of the dataset, side by side."""
 
+import json
 from pathlib import Path
 
 import dagster as dg
@@ -10,7 +11,7 @@ from pydantic import Field
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.cache import JsonCache, stable_hash
 from cluster_pipeline.core.checkpoints import list_checkpoints, read_checkpoint
-from cluster_pipeline.core.evaluation import EvalSettings, evaluate_model, load_suites
+from cluster_pipeline.core.evaluation import CODE_BENCHMARKS, EvalSettings, load_suites
 from cluster_pipeline.core.layout import SHARED_EVAL_DIR
 from cluster_pipeline.core.report import (
     dataset_benchmarks,
@@ -19,12 +20,14 @@ from cluster_pipeline.core.report import (
     model_entries,
     render_report,
 )
-from cluster_pipeline.core.sandbox import sandbox_problem
+from cluster_pipeline.core.sandbox import check_sandbox, sandbox_problem
 from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
-from cluster_pipeline.defs.resources import BaseModelResource, StorageResource
+from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.training.config import settings_of
+from cluster_pipeline.training.config import EvalJob, settings_of
+
+EVAL_MODULE = "cluster_pipeline.training.evaluate"
 
 
 class EvalReportConfig(dg.Config, EvalSettings):
@@ -46,13 +49,17 @@ def eval_report(
     config: EvalReportConfig,
     storage: StorageResource,
     base_model: BaseModelResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     """Base model vs the CluSTER checkpoint (and, side by side, every other checkpoint of this
     dataset: other selectors, budgets, seeds; mean ± std over seeds): held-out loss and
     perplexity on the held-out split of the raw_instructions version the checkpoint was trained
     from, the dataset's benchmarks (HumanEval / MBPP pass@1, MMLU accuracy), training seconds
     and data fraction. Written as standalone Markdown with PNG plots to
-    ``data/reports/<dataset>/``.
+    ``data/reports/<dataset>/``. Each model is evaluated in its own process
+    (:mod:`cluster_pipeline.training.evaluate` under torchrun), so one killed by a signal is
+    named with the likely cause.
     """
     dataset, layout = context.partition_key, storage.layout
     trained = read_record(context, TrainedCheckpointRecord)
@@ -80,6 +87,8 @@ def eval_report(
     suites, skipped = load_suites(names, settings, folders)
     for name, reason in skipped.items():
         context.log.info(f"benchmark {name} skipped: {reason}")
+    if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
+        check_sandbox(settings.unsafe_sandbox)  # refuse before any model is loaded
 
     current = read_checkpoint(trained.checkpoint_path)
     if current is None:
@@ -91,9 +100,29 @@ def eval_report(
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
     entries = model_entries(base_model.local_path(storage), checkpoints)
+    # Job files, per-process logs (<job>.logs/) and outcomes, one set per model (a new
+    # evaluation of the same model replaces them; the cache keeps the outcomes).
+    run_dir = layout.eval_cache_dir(dataset) / "jobs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def evaluate(path: str) -> dict:
+        name = stable_hash(path, length=12)
+        job = EvalJob(
+            settings=settings,
+            model_path=path,
+            instructions_uri=instructions.uri,
+            instructions_version=instructions.version,
+            benchmarks=list(suites),
+            eval_folders=[str(f) for f in folders],
+            output=str(run_dir / f"{name}.outcome.json"),
+        )
+        job_file = job.dump(run_dir / f"{name}.job.json")
+        torchrun.run(context, pipes_subprocess_client, EVAL_MODULE, 1, job_file, local=True)
+        return json.loads(Path(job.output).read_text())
+
     results, heldout_stats = evaluate_entries(
         entries,
-        lambda path: evaluate_model(path, heldout, suites, settings, context.log.info),
+        evaluate,
         JsonCache(layout.eval_cache_dir(dataset)),
         settings_key=stable_hash(
             settings.model_dump(), instructions.version, sorted(suites), length=12
