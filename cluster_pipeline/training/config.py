@@ -20,6 +20,7 @@ from cluster_pipeline.core.evaluation import EvalSettings
 from cluster_pipeline.core.tokenization import SequenceSettings
 
 Schedule = Literal["cosine", "linear", "constant"]
+Parallelism = Literal["ddp", "fsdp"]
 
 
 class _Model(BaseModel):
@@ -122,6 +123,27 @@ class TrainSettings(_Model, SequenceSettings):
         default=True,
         description="Resume from the latest intermediate "
         "checkpoint of the same manifests and config, if one exists.",
+    )
+    parallelism: Parallelism = Field(
+        default="ddp",
+        description="ddp = a full replica of weights, gradients and optimizer state on every "
+        "rank (fastest when the model fits); fsdp = FSDP2 (torch fully_shard per decoder layer "
+        "and root): all three sharded over the ranks, for models DDP cannot hold.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in the backward pass (transformers' gradient "
+        "checkpointing): less memory for long sequences, about a third more compute.",
+    )
+    lora_r: int = Field(
+        default=0, ge=0, description="LoRA rank (peft adapters); 0 = full fine-tuning."
+    )
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA scaling numerator (alpha / r).")
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    lora_target_modules: list[str] | None = Field(
+        default=None,
+        description="Module names LoRA adapts; None = peft's default for the architecture "
+        "(q_proj and v_proj for Llama).",
     )
 
 

@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,20 @@ from cluster_pipeline.training.distributed import (
     Reporter,
     all_gather_floats,
     run_entry_point,
+)
+from cluster_pipeline.training.parallel import (
+    SHARDED_DIR,
+    adapter_config,
+    apply_lora,
+    export_model,
+    full_state_dict,
+    gradient_sync,
+    is_fsdp,
+    load_sharded,
+    save_adapter,
+    save_sharded,
+    total_norm,
+    wrap,
 )
 
 TRAINING_STATE = "training_state.pt"
@@ -249,16 +263,31 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     checkpoints = CheckpointDir(intermediate_dir(job.output_dir))
     manifest_hashes = [ShardManifest.read(Path(p)).sha256 for p in job.manifests]
     resume = checkpoints.latest() if cfg.resume else None
+    # DDP resumes from the full weights saved with the state; FSDP from its sharded files and
+    # LoRA from the adapter, both over the base model.
+    full_resume = resume is not None and cfg.parallelism == "ddp" and not cfg.lora_r
     model, tokenizer = load_model_and_tokenizer(
-        str(resume) if resume else job.model_path, device=str(env.device)
+        str(resume) if full_resume else job.model_path, device=str(env.device)
     )
     model.train()
     model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r:
+        model = apply_lora(model, cfg)
+        torch.manual_seed(cfg.seed + env.rank)
+        if resume is not None and cfg.parallelism == "ddp":
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
     rows = load_shard_samples(job, manifest)
     encoded = encode_rows(tokenizer, rows, cfg)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    ddp_model = wrap(model, cfg, env.device)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, int(cfg.warmup_ratio * steps), steps)
@@ -285,7 +314,10 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
                 f"{resume} was trained on other shard manifests; delete {checkpoints.root} "
                 "or set resume: false"
             )
-        optimizer.load_state_dict(state["optimizer"])
+        if is_fsdp(ddp_model):
+            load_sharded(ddp_model, optimizer, resume / SHARDED_DIR)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"][env.rank])
         run.step, run.tokens_seen = state["step"], state["tokens"]
@@ -337,20 +369,19 @@ def train_step(run: TrainRun) -> dict[str, Any]:
         batch = collate([run.encoded[i] for i in idx], run.tokenizer.pad_token_id, "right")
         batch = {k: v.to(env.device) for k, v in batch.items()}
         last = j == len(group) - 1
-        # DDP all-reduces gradients on every backward unless told otherwise: only the last
-        # micro-batch of an accumulation group synchronises (none, when measuring).
-        ctx = (
-            ddp.no_sync()
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and (measure or not last)
-            else nullcontext()
-        )
-        with ctx, autocast:
+        # DDP and FSDP synchronise gradients on every backward unless told otherwise: only the
+        # last micro-batch of an accumulation group synchronises (none, when measuring).
+        with gradient_sync(ddp, enabled=last and not measure), autocast:
             loss, raw, n_tok = weighted_loss(ddp, batch, run.weight, len(group))
             loss.backward()
         losses.append(float(raw))
         tokens += n_tok
     cosine = measure_grad_cosine(run) if measure else None
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm))
+    grad_norm = total_norm(
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in run.model.parameters() if p.requires_grad], cfg.max_grad_norm
+        )
+    )
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -378,9 +409,13 @@ def save_intermediate(run: TrainRun, report: Reporter) -> None:
     """A resumable checkpoint (weights, optimizer, scheduler, every rank's RNG, history) under
     ``<output_dir>.checkpoints/step_<n>/``; collective: every rank must call it."""
     rng = _gather_objects(torch.get_rng_state(), run.env)
+    checkpoints = CheckpointDir(intermediate_dir(run.job.output_dir))
+    sharded = is_fsdp(run.ddp_model)
+    if sharded:  # every rank writes its shard of the model and optimizer state
+        save_sharded(run.ddp_model, run.optimizer, checkpoints.step_dir(run.step) / SHARDED_DIR)
     if run.env.is_main:
         state = {
-            "optimizer": run.optimizer.state_dict(),
+            **({} if sharded else {"optimizer": run.optimizer.state_dict()}),
             "scheduler": run.scheduler.state_dict(),
             "rng": rng,
             "step": run.step,
@@ -389,8 +424,12 @@ def save_intermediate(run: TrainRun, report: Reporter) -> None:
             "history": run.history,
             "manifest_sha256": run.manifest_hashes,
         }
-        path = CheckpointDir(intermediate_dir(run.job.output_dir)).save(
-            run.model, run.tokenizer, run.step, state, run.settings.keep_checkpoints
+        path = checkpoints.save(
+            None if sharded else run.model,
+            run.tokenizer,
+            run.step,
+            state,
+            run.settings.keep_checkpoints,
         )
         report.info(f"saved {path}")
     if dist.is_initialized():
@@ -401,6 +440,9 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     """Rank 0 saves the checkpoint with its ``training_info.json`` and reports it to Dagster;
     every rank then waits for it."""
     job = run.job
+    plain = not is_fsdp(run.ddp_model) and not run.settings.lora_r
+    # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
+    state = None if plain else full_state_dict(run.model)
     if run.env.is_main:
         info = {
             "base_model": job.model_path,
@@ -419,7 +461,17 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
         }
-        save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)
+        if state is None:
+            save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)
+        else:
+            info["adapter"] = adapter_config(run.model)
+            save_checkpoint(
+                export_model(run.model, state),
+                run.tokenizer,
+                Path(job.output_dir),
+                info,
+                also=lambda folder: save_adapter(run.model, state, folder),
+            )
         report.materialization(
             {
                 "checkpoint_path": job.output_dir,
@@ -511,18 +563,37 @@ class CheckpointDir:
         found = self.all()
         return found[-1] if found else None
 
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:07d}"
+
     def save(self, model, tokenizer, step: int, state: dict, keep: int) -> Path:
-        path = self.root / f"step_{step:07d}"
-        save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
+        """Write ``step_<n>/``: ``model`` (``save_pretrained``; None when the sharded files are
+        already there, written by every rank), the tokenizer and the training state last, which
+        marks the folder complete; then drop all but the ``keep`` newest."""
+        path = self.step_dir(step)
+        if model is None:
+            tokenizer.save_pretrained(path)
+            torch.save(state, path / f".{TRAINING_STATE}.tmp")
+            os.replace(path / f".{TRAINING_STATE}.tmp", path / TRAINING_STATE)
+        else:
+            save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
         for old in self.all()[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path, info: dict, extra: dict | None = None) -> None:
+def save_checkpoint(
+    model,
+    tokenizer,
+    out_dir: Path,
+    info: dict,
+    extra: dict | None = None,
+    also: Callable[[Path], Any] | None = None,
+) -> None:
     """``save_pretrained`` (safetensors) + tokenizer + ``training_info.json`` (+ ``extra`` objects
-    saved with ``torch.save``) into ``out_dir``, atomically: written to a temporary sibling
-    folder, then renamed over ``out_dir``, so a killed save leaves no half checkpoint."""
+    saved with ``torch.save``, + whatever ``also(folder)`` writes) into ``out_dir``, atomically:
+    written to a temporary sibling folder, then renamed over ``out_dir``, so a killed save
+    leaves no half checkpoint."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -531,6 +602,8 @@ def save_checkpoint(model, tokenizer, out_dir: Path, info: dict, extra: dict | N
         (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
         for name, obj in (extra or {}).items():
             torch.save(obj, tmp / name)
+        if also is not None:
+            also(tmp)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)

@@ -27,32 +27,21 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir):
-    # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
-    cfg, table = train_job(
-        tmp_path,
-        tiny_model_dir,
-        [1.5, 0.5],
-        per_rank=2,
-        per_device_batch_size=2,
-        max_steps=1,
-        learning_rate=1e-3,
-        warmup_ratio=0.0,
-        schedule="constant",
-        max_grad_norm=1e9,
-    )
-    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
-    assert done.returncode == 0, done.stderr[-3000:]
-    ddp = _weights(Path(cfg.output_dir))
+ONE_STEP = dict(
+    per_device_batch_size=2,
+    max_steps=1,
+    learning_rate=1e-3,
+    warmup_ratio=0.0,
+    schedule="constant",
+    max_grad_norm=1e9,
+)
 
-    # One process: g = sum_c (n_c / N) g_c, g_c the mean-token-loss gradient of shard c.
+
+def _shard_gradients(model, tok, cfg: TrainJob, table) -> list[dict[str, torch.Tensor]]:
+    """Per shard manifest, the mean-token-loss gradient g_c of every trainable parameter, in
+    one process."""
     import polars as pl
 
-    from cluster_pipeline.core.modeling import load_model_and_tokenizer
-
-    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    model.train()
     rows = pl.read_delta(table.uri)
     grads = []
     for path in cfg.manifests:
@@ -71,13 +60,18 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
             **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
         ).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    return grads
+
+
+def _stratified_step(model, grads: list[dict[str, torch.Tensor]]) -> None:
+    """One AdamW step (lr 1e-3) on g = 0.75 g_0 + 0.25 g_1 (n_c = (3, 1) of N = 4), checking
+    that this differs from the unweighted average (the test can tell the two apart)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
     for n, p in model.named_parameters():
-        p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
+        if p.requires_grad:
+            p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
     opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(ddp[n], p.detach(), rtol=1e-5, atol=1e-5)
-    # And it is not the unweighted average (the test can tell the two apart).
     unweighted = {n: 0.5 * grads[0][n] + 0.5 * grads[1][n] for n in grads[0]}
     assert any(
         not torch.allclose(unweighted[n], 0.75 * grads[0][n] + 0.25 * grads[1][n]) for n in grads[0]
@@ -85,8 +79,82 @@ def test_one_weighted_ddp_step_equals_the_stratified_full_gradient(tmp_path, tin
 
 
 @pytest.mark.slow
-def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir):
-    common = dict(per_device_batch_size=2, epochs=3, learning_rate=5e-3, save_every_steps=2)
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"parallelism": "fsdp"}, {"gradient_checkpointing": True}],
+    ids=["ddp", "fsdp", "ddp_activation_checkpointing"],
+)
+def test_one_weighted_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir, mode):
+    """DDP, FSDP2 and activation checkpointing: one step with w = (1.5, 0.5) on 2 ranks equals
+    one process applying 0.75 g_0 + 0.25 g_1."""
+    # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
+    cfg, table = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, **ONE_STEP, **mode)
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = _weights(Path(cfg.output_dir))
+
+    from cluster_pipeline.core.modeling import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_one_weighted_lora_step_equals_the_stratified_adapter_gradient(
+    tmp_path, tiny_model_dir, parallelism
+):
+    """LoRA: the same equivalence on the adapter parameters; the checkpoint holds the merged
+    weights (loadable as a plain model) and the adapter beside them, recorded in provenance."""
+    from cluster_pipeline.core.modeling import load_model_and_tokenizer
+    from cluster_pipeline.training.parallel import apply_lora
+
+    lora = dict(lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    cfg, table = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.5, 0.5],
+        per_rank=2,
+        parallelism=parallelism,
+        **ONE_STEP,
+        **lora,
+    )
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = _weights(Path(cfg.output_dir))
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = apply_lora(model, cfg.settings)
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table))
+    merged = model.merge_and_unload()
+    changed = 0
+    for n, p in merged.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-6)
+        changed += not torch.equal(trained[n], base[n])
+    assert changed == 4  # q_proj and v_proj of both layers, and nothing else
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    assert info["adapter"]["r"] == 4 and sorted(info["adapter"]["target_modules"]) == [
+        "q_proj",
+        "v_proj",
+    ]
+    assert (Path(cfg.output_dir) / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, parallelism):
+    common = dict(
+        per_device_batch_size=2,
+        epochs=3,
+        learning_rate=5e-3,
+        save_every_steps=2,
+        parallelism=parallelism,
+    )
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     ref_cfg, _ = train_job(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)

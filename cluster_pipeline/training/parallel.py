@@ -1,0 +1,207 @@
+"""How a training rank holds the model: a DDP replica or FSDP2 shards, optionally LoRA adapters
+(peft) and activation checkpointing; and how such a model is synchronised, saved and resumed.
+
+The CluSTER method does not depend on any of it: rank c still reads cluster c and multiplies its
+loss by w_c, and both DDP and FSDP2 average the ranks' gradients (DDP by all-reduce, FSDP2 by
+reduce-scatter), so one step follows sum_c (n_c / N) g_c either way.
+
+Memory per rank for full fine-tuning with AdamW in float32 (weights 4 + gradients 4 + Adam's two
+moments 8 bytes per parameter, activations aside; the ZeRO paper's accounting, Rajbhandari et
+al. 2020, section 3.1): DDP holds 16 bytes x P on every rank, FSDP2 16 x P / world size.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cluster_pipeline.training.config import TrainSettings
+
+ADAPTER_DIR = "adapter"  # the LoRA adapter, beside the merged weights of a checkpoint
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files of an FSDP intermediate checkpoint
+BYTES_PER_PARAMETER = {"weights": 4, "gradients": 4, "adam": 8}
+
+
+def apply_lora(model, cfg: TrainSettings):
+    """Wrap ``model`` in peft LoRA adapters (rank ``lora_r``), seeded with ``cfg.seed`` so every
+    rank starts from the same adapters; the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(cfg.seed)
+    config = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks of a ``transformers`` model (its ``_no_split_modules`` classes,
+    e.g. ``LlamaDecoderLayer``): the units FSDP2 shards one by one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def wrap(model, cfg: TrainSettings, device: torch.device):
+    """The module a rank calls: the model itself on one process, ``DistributedDataParallel``
+    for ``parallelism: ddp``, or the model sharded in place with FSDP2 ``fully_shard`` (each
+    decoder layer, then the root) for ``fsdp``, with bfloat16 parameters and float32 gradient
+    reduction when ``bf16`` is set on a GPU."""
+    if not dist.is_initialized():
+        return model
+    if cfg.parallelism == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.bf16 and device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def is_fsdp(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def gradient_sync(module, enabled: bool) -> AbstractContextManager:
+    """A context in which backward passes do (``enabled``) or do not synchronise gradients
+    across ranks: DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return nullcontext() if enabled else module.no_sync()
+    if is_fsdp(module):
+        module.set_requires_gradient_sync(enabled)  # pyright: ignore[reportAttributeAccessIssue]
+    return nullcontext()
+
+
+def total_norm(norm) -> float:
+    """``clip_grad_norm_``'s result as a float (a DTensor under FSDP2)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def full_state_dict(model) -> dict[str, Any]:
+    """The unsharded model state on CPU (collective under FSDP2: every rank must call it; rank 0
+    gets the tensors)."""
+    if not is_fsdp(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def export_model(model, state: dict[str, Any]):
+    """A plain ``transformers`` model holding ``state`` that ``save_pretrained`` writes as the
+    base architecture (an FSDP2-sharded model's class is a generated subclass; LoRA adapters are
+    merged into the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(base.config)
+    lora = getattr(model, "peft_config", None)
+    if lora:  # load into a peft copy, then merge the adapters into the weights
+        from peft import get_peft_model
+
+        plain = get_peft_model(plain, lora["default"])
+    # strict=False: a state gathered from shards may list tied weights (lm_head) once.
+    plain.load_state_dict(state, strict=False, assign=True)
+    if lora:
+        plain = plain.merge_and_unload()
+    plain.tie_weights()
+    empty = [name for name, p in plain.named_parameters() if p.is_meta]
+    if empty:
+        raise RuntimeError(f"the gathered state has no value for {empty[:3]} ({len(empty)} in all)")
+    return plain
+
+
+def adapter_config(model) -> dict[str, Any] | None:
+    """A LoRA model's peft adapter config as a JSON-ready dict (sets as sorted lists; None for
+    a model without adapters)."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    return {
+        k: sorted(v) if isinstance(v, set) else v for k, v in configs["default"].to_dict().items()
+    }
+
+
+def save_adapter(model, state: dict[str, Any], out_dir: Path) -> None:
+    """Save a LoRA model's adapter in peft's format (``adapter_config.json``,
+    ``adapter_model.safetensors``) under ``out_dir/adapter``; nothing for other models."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = out_dir / ADAPTER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    configs["default"].save_pretrained(str(folder))
+    adapter = get_peft_model_state_dict(model, state_dict=state)
+    save_file(
+        {k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors")
+    )
+
+
+def save_sharded(model, optimizer, folder: Path) -> None:
+    """Model and optimizer state, sharded as FSDP2 holds them, with
+    ``torch.distributed.checkpoint`` (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder: Path) -> None:
+    """Restore what :func:`save_sharded` wrote into an FSDP2 model and its optimizer
+    (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def parameter_count(model_path: str) -> int:
+    """Parameters of the model at ``model_path`` (built on the meta device: no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def training_bytes_per_rank(
+    n_parameters: int, n_trainable: int, parallelism: str, world_size: int
+) -> int:
+    """Estimated bytes one rank holds for fine-tuning with AdamW in float32, activations aside
+    (see the module docstring): 4 x P for the weights plus (4 + 8) x T for the gradients and
+    Adam's moments of the T trainable parameters (T = P for full fine-tuning, the adapters'
+    count, about 0, for LoRA); all of it on every rank under DDP, divided by world_size under
+    FSDP2."""
+    total = (
+        BYTES_PER_PARAMETER["weights"] * n_parameters
+        + (BYTES_PER_PARAMETER["gradients"] + BYTES_PER_PARAMETER["adam"]) * n_trainable
+    )
+    return total // world_size if parallelism == "fsdp" else total
