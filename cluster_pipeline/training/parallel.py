@@ -205,3 +205,45 @@ def training_bytes_per_rank(
         + (BYTES_PER_PARAMETER["gradients"] + BYTES_PER_PARAMETER["adam"]) * n_trainable
     )
     return total // world_size if parallelism == "fsdp" else total
+
+
+class TrainingMemoryError(RuntimeError):
+    """The estimated training memory per rank exceeds what the machine has."""
+
+
+def available_bytes_per_rank(local_ranks: int) -> int:
+    """Memory one of ``local_ranks`` ranks on this machine can use: the smallest GPU's total
+    memory when CUDA is available, else the available host memory (``psutil``) / local_ranks."""
+    if torch.cuda.is_available():
+        return min(
+            torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())
+        )
+    import psutil
+
+    return psutil.virtual_memory().available // max(local_ranks, 1)
+
+
+def check_training_memory(
+    n_parameters: int, cfg: TrainSettings, world_size: int, available_per_rank: int
+) -> int:
+    """The estimated bytes per rank (:func:`training_bytes_per_rank`; LoRA counts no trainable
+    parameters), checked against ``available_per_rank``.
+
+    Raises:
+        TrainingMemoryError: the estimate exceeds ``available_per_rank``; the message gives
+            both in GiB and the ways to fit (fsdp, LoRA, more ranks).
+    """
+    trainable = 0 if cfg.lora_r else n_parameters
+    need = training_bytes_per_rank(n_parameters, trainable, cfg.parallelism, world_size)
+    if need > available_per_rank:
+        gib = 2**30
+        fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
+        raise TrainingMemoryError(
+            f"training needs about {need / gib:.1f} GiB per rank ({n_parameters / 1e6:.0f}M "
+            f"parameters x {need / n_parameters:.0f} bytes, parallelism {cfg.parallelism}, "
+            f"{world_size} ranks, activations aside) but {available_per_rank / gib:.1f} GiB is "
+            f"available per rank; use parallelism: fsdp ({fsdp / gib:.1f} GiB per rank), "
+            "lora_r > 0, or more ranks"
+        )
+    return need

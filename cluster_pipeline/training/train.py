@@ -36,6 +36,7 @@ if __name__ == "__main__":
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -443,6 +444,13 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     plain = not is_fsdp(run.ddp_model) and not run.settings.lora_r
     # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
     state = None if plain else full_state_dict(run.model)
+    # Peak resident memory of each rank so far (Linux reports ru_maxrss in KiB).
+    peak_rss = [
+        int(g[0])
+        for g in all_gather_floats(
+            [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], run.env
+        )
+    ]
     if run.env.is_main:
         info = {
             "base_model": job.model_path,
@@ -460,6 +468,7 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "train_seconds": train_seconds,
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
+            "peak_rss_bytes_per_rank": peak_rss,
         }
         if state is None:
             save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)
@@ -479,6 +488,7 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
                 "train_seconds": round(train_seconds, 2),
                 "tokens_per_second": round(run.tokens_seen / max(train_seconds, 1e-9), 1),
                 "final_loss": info["final_loss"],
+                "peak_rss_mib_per_rank": [round(b / 2**20, 1) for b in peak_rss],
                 "manifest_sha256": run.manifest_hashes,
                 "metrics_path": str(metrics_path(job.output_dir)),
             }

@@ -146,15 +146,15 @@ def test_one_weighted_lora_step_equals_the_stratified_adapter_gradient(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, parallelism):
-    common = dict(
-        per_device_batch_size=2,
-        epochs=3,
-        learning_rate=5e-3,
-        save_every_steps=2,
-        parallelism=parallelism,
-    )
+@pytest.mark.parametrize(
+    "mode",
+    [{"parallelism": "ddp"}, {"parallelism": "fsdp"}, {"parallelism": "ddp", "lora_r": 4}],
+    ids=["ddp", "fsdp", "ddp_lora"],
+)
+def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, mode):
+    """DDP resumes from full weights, FSDP from torch.distributed.checkpoint shards, LoRA from
+    the adapter: each reaches the uninterrupted run's weights and losses."""
+    common = dict(per_device_batch_size=2, epochs=3, learning_rate=5e-3, save_every_steps=2, **mode)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     ref_cfg, _ = train_job(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
@@ -288,3 +288,43 @@ def test_measuring_the_inter_rank_gradient_cosine_does_not_change_training(
     # The manual all-reduce after a measurement equals DDP's own averaging.
     for name in plain:
         torch.testing.assert_close(measured[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
+    """16 bytes per parameter under DDP, / ranks under FSDP, 4 for LoRA's frozen weights
+    (hand-checked), and a 1B Llama config counted on the meta device without weights."""
+    from transformers import LlamaConfig
+
+    from cluster_pipeline.training.parallel import (
+        TrainingMemoryError,
+        check_training_memory,
+        parameter_count,
+        training_bytes_per_rank,
+    )
+
+    assert training_bytes_per_rank(10**9, 10**9, "ddp", 2) == 16 * 10**9
+    assert training_bytes_per_rank(10**9, 10**9, "fsdp", 2) == 8 * 10**9
+    assert training_bytes_per_rank(10**9, 0, "ddp", 2) == 4 * 10**9
+    LlamaConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=18,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    # 49152 x 2048 embedding + 18 x (attention 2048 x (2048 + 2 x 512 + 2048) + MLP 3 x
+    # 2048 x 5632 + 2 norms x 2048) + final norm 2048.
+    n = 49152 * 2048 + 18 * (2048 * (2048 + 2 * 512 + 2048) + 3 * 2048 * 5632 + 2 * 2048) + 2048
+    assert parameter_count(str(tmp_path)) == n == 912_336_896
+    twelve_gib = 12 * 2**30  # a 24 GiB machine, 2 ranks
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(n, TrainSettings(parallelism="ddp"), 2, twelve_gib)
+    assert str(refused.value) == (
+        "training needs about 13.6 GiB per rank (912M parameters x 16 bytes, parallelism ddp, "
+        "2 ranks, activations aside) but 12.0 GiB is available per rank; use parallelism: fsdp "
+        "(6.8 GiB per rank), lora_r > 0, or more ranks"
+    )
+    assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
+    assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n

@@ -18,6 +18,12 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
+from cluster_pipeline.training.parallel import (
+    TrainingMemoryError,
+    available_bytes_per_rank,
+    check_training_memory,
+    parameter_count,
+)
 
 TRAIN_MODULE = "cluster_pipeline.training.train"
 
@@ -61,6 +67,16 @@ def trained_checkpoint(
         raise dg.Failure(f"{shards.world_size} ranks cannot be split over {torchrun.nnodes} nodes")
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
+    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW).
+    try:
+        memory_per_rank = check_training_memory(
+            parameter_count(model_path),
+            settings,
+            shards.world_size,
+            available_bytes_per_rank(shards.world_size // torchrun.nnodes),
+        )
+    except TrainingMemoryError as e:
+        raise dg.Failure(f"dataset {dataset!r}: {e}") from e
     run_dir = storage.layout.checkpoints_dir(dataset)
     # Same manifests, data, model and settings -> same folder, so a re-executed run resumes
     # from the interrupted one's latest checkpoint.
@@ -140,6 +156,7 @@ def trained_checkpoint(
         metadata={
             **reported,
             **record.to_metadata(),
+            "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
             "selection_vs_training": dg.MetadataValue.md(
                 "| stage | seconds |\n|---|---|\n"
                 f"| selection (embedding pass + clustering + subsets + shards) | "
