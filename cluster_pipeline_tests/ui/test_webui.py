@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -101,79 +103,81 @@ def webserver(tmp_path, tiny_model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_materialize_the_selection_chain_from_the_ui(webserver):
+@contextmanager
+def browser_page() -> Iterator:
+    """A headless chromium page (1400 x 900); screenshots go under ARTIFACTS."""
     from playwright.sync_api import sync_playwright
 
-    url, data = webserver
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
+        # The one-time newsletter prompt can open at any moment (later on a loaded machine);
+        # whenever it covers what a step wants to click, dismiss it first.
+        page.add_locator_handler(page.get_by_role("button", name="Skip"), lambda skip: skip.click())
         try:
-            # The one-time newsletter prompt can open at any moment (later on a loaded
-            # machine); whenever it covers what a step wants to click, dismiss it first.
-            page.add_locator_handler(
-                page.get_by_role("button", name="Skip"), lambda skip: skip.click()
-            )
-            page.goto(f"{url}/asset-groups", wait_until="networkidle")
-            page.wait_for_timeout(2000)
-            page.screenshot(path=ARTIFACTS / "01_asset_graph.png")
-
-            page.goto(
-                f"{url}/locations/cluster_pipeline/jobs/selection_job", wait_until="networkidle"
-            )
-            page.get_by_role("button", name="Materialize all…").click()
-            page.get_by_text("Select a partition or create one").click()
-            page.locator("span", has_text="tiny").first.click()
-            page.get_by_text("Launch runs to materialize").click()  # closes the partition list
-            page.screenshot(path=ARTIFACTS / "02_launch_dialog.png")
-            page.get_by_role("button", name="Launch 1 run").click()
-
-            deadline, status = time.time() + 300, None
-            while time.time() < deadline:
-                runs = _graphql(
-                    url,
-                    "{ runsOrError { ... on Runs { results { runId status "
-                    "tags { key value } } } } }",
-                )["runsOrError"]["results"]
-                if runs and runs[0]["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
-                    status = runs[0]
-                    break
-                time.sleep(2)
-            assert status is not None and status["status"] == "SUCCESS", status
-            assert {"key": "dagster/partition", "value": "tiny"} in status["tags"]
-            page.goto(f"{url}/runs/{status['runId']}", wait_until="networkidle")
-            page.wait_for_timeout(2000)
-            page.screenshot(path=ARTIFACTS / "03_run.png")
-
-            page.goto(f"{url}/assets/balanced_clusters?partition=tiny", wait_until="networkidle")
-            page.get_by_text("cluster_sizes_plot").first.wait_for(timeout=30000)
-            page.wait_for_timeout(1500)
-            page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
-            # Markdown metadata opens in a dialog: the plot must render as an image there.
-            for name, shot in (
-                ("cluster_sizes_plot", "05_cluster_sizes.png"),
-                ("pca_map", "06_pca_map.png"),
-            ):
-                row = page.locator("tr").filter(has=page.get_by_text(name, exact=True)).first
-                row.scroll_into_view_if_needed()
-                row.get_by_text("[Show Markdown]").click()
-                image = page.locator("[role=dialog] img[src^='data:image/png']").first
-                image.wait_for(timeout=15000)
-                page.wait_for_timeout(500)
-                assert image.evaluate("img => img.complete && img.naturalWidth") > 100
-                page.screenshot(path=ARTIFACTS / shot)
-                page.keyboard.press("Escape")
-                page.locator("[role=dialog]").first.wait_for(state="detached", timeout=10000)
-            row = page.locator("tr").filter(has=page.get_by_text("preview", exact=True)).first
-            row.scroll_into_view_if_needed()
-            # Short Markdown renders inline in the metadata table.
-            table = row.locator("table").first
-            table.wait_for(timeout=15000)
-            assert "sq_distance" in table.inner_text() and table.locator("tr").count() >= 5
-            page.screenshot(path=ARTIFACTS / "07_preview_table.png")
+            yield page
         finally:
             browser.close()
+
+
+def test_materialize_the_selection_chain_from_the_ui(webserver):
+    url, data = webserver
+    with browser_page() as page:
+        page.goto(f"{url}/asset-groups", wait_until="networkidle")
+        page.wait_for_timeout(2000)
+        page.screenshot(path=ARTIFACTS / "01_asset_graph.png")
+
+        page.goto(f"{url}/locations/cluster_pipeline/jobs/selection_job", wait_until="networkidle")
+        page.get_by_role("button", name="Materialize all…").click()
+        page.get_by_text("Select a partition or create one").click()
+        page.locator("span", has_text="tiny").first.click()
+        page.get_by_text("Launch runs to materialize").click()  # closes the partition list
+        page.screenshot(path=ARTIFACTS / "02_launch_dialog.png")
+        page.get_by_role("button", name="Launch 1 run").click()
+
+        deadline, status = time.time() + 300, None
+        while time.time() < deadline:
+            runs = _graphql(
+                url,
+                "{ runsOrError { ... on Runs { results { runId status tags { key value } } } } }",
+            )["runsOrError"]["results"]
+            if runs and runs[0]["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
+                status = runs[0]
+                break
+            time.sleep(2)
+        assert status is not None and status["status"] == "SUCCESS", status
+        assert {"key": "dagster/partition", "value": "tiny"} in status["tags"]
+        page.goto(f"{url}/runs/{status['runId']}", wait_until="networkidle")
+        page.wait_for_timeout(2000)
+        page.screenshot(path=ARTIFACTS / "03_run.png")
+
+        page.goto(f"{url}/assets/balanced_clusters?partition=tiny", wait_until="networkidle")
+        page.get_by_text("cluster_sizes_plot").first.wait_for(timeout=30000)
+        page.wait_for_timeout(1500)
+        page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
+        # Markdown metadata opens in a dialog: the plot must render as an image there.
+        for name, shot in (
+            ("cluster_sizes_plot", "05_cluster_sizes.png"),
+            ("pca_map", "06_pca_map.png"),
+        ):
+            row = page.locator("tr").filter(has=page.get_by_text(name, exact=True)).first
+            row.scroll_into_view_if_needed()
+            row.get_by_text("[Show Markdown]").click()
+            image = page.locator("[role=dialog] img[src^='data:image/png']").first
+            image.wait_for(timeout=15000)
+            page.wait_for_timeout(500)
+            assert image.evaluate("img => img.complete && img.naturalWidth") > 100
+            page.screenshot(path=ARTIFACTS / shot)
+            page.keyboard.press("Escape")
+            page.locator("[role=dialog]").first.wait_for(state="detached", timeout=10000)
+        row = page.locator("tr").filter(has=page.get_by_text("preview", exact=True)).first
+        row.scroll_into_view_if_needed()
+        # Short Markdown renders inline in the metadata table.
+        table = row.locator("table").first
+        table.wait_for(timeout=15000)
+        assert "sq_distance" in table.inner_text() and table.locator("tr").count() >= 5
+        page.screenshot(path=ARTIFACTS / "07_preview_table.png")
     assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
 
 
@@ -182,7 +186,6 @@ def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
     writes with ``cluster-pipeline run-config`` and passes to ``dagster job execute -j main_job``;
     main_job_gpu8's opens with the gpu8 profile's."""
     import yaml
-    from playwright.sync_api import sync_playwright
 
     url, _ = webserver
     dry_run = subprocess.run(
@@ -194,47 +197,36 @@ def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
         in (" ".join(dry_run.replace("\\\n", " ").split()))
     )
     cli = [str(Path(sys.executable).parent / "cluster-pipeline"), "run-config"]
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        try:
-            page.add_locator_handler(
-                page.get_by_role("button", name="Skip"), lambda skip: skip.click()
+    with browser_page() as page:
+        for job, profile in (("main_job", "cpu_quick"), ("main_job_gpu8", "gpu8")):
+            make_run_passes = yaml.safe_load(
+                subprocess.run([*cli, profile], capture_output=True, text=True, check=True).stdout
             )
-            for job, profile in (("main_job", "cpu_quick"), ("main_job_gpu8", "gpu8")):
-                make_run_passes = yaml.safe_load(
-                    subprocess.run(
-                        [*cli, profile], capture_output=True, text=True, check=True
-                    ).stdout
+            page.goto(
+                f"{url}/locations/cluster_pipeline/jobs/{job}/playground",
+                wait_until="networkidle",
+            )
+            page.locator(".CodeMirror").first.wait_for(timeout=30000)
+            # A dataset partition is required; picking it loads the job's config for it.
+            page.get_by_placeholder("Partition").click()
+            page.get_by_placeholder("Partition").fill("tiny")
+            page.get_by_role("menuitem", name="tiny").first.click()
+            text = ""
+            for _ in range(40):  # the editor fills once the job's config has loaded
+                text = page.evaluate(
+                    "() => document.querySelector('.CodeMirror').CodeMirror.getValue()"
                 )
-                page.goto(
-                    f"{url}/locations/cluster_pipeline/jobs/{job}/playground",
-                    wait_until="networkidle",
+                if "loggers" in text:
+                    break
+                page.wait_for_timeout(500)
+            page.screenshot(path=ARTIFACTS / f"08_launchpad_{job}.png")
+            shown = yaml.safe_load(text)
+            # The launchpad also spells out every other knob at its schema default, which
+            # is what make run's run gets for knobs its file leaves out.
+            for stage, values in make_run_passes["ops"].items():
+                launchpad = shown["ops"][stage]["config"]
+                assert {k: launchpad[k] for k in values["config"]} == values["config"], (
+                    job,
+                    stage,
                 )
-                page.locator(".CodeMirror").first.wait_for(timeout=30000)
-                # A dataset partition is required; picking it loads the job's config for it.
-                page.get_by_placeholder("Partition").click()
-                page.get_by_placeholder("Partition").fill("tiny")
-                page.get_by_role("menuitem", name="tiny").first.click()
-                text = ""
-                for _ in range(40):  # the editor fills once the job's config has loaded
-                    text = page.evaluate(
-                        "() => document.querySelector('.CodeMirror').CodeMirror.getValue()"
-                    )
-                    if "loggers" in text:
-                        break
-                    page.wait_for_timeout(500)
-                page.screenshot(path=ARTIFACTS / f"08_launchpad_{job}.png")
-                shown = yaml.safe_load(text)
-                # The launchpad also spells out every other knob at its schema default, which
-                # is what make run's run gets for knobs its file leaves out.
-                for stage, values in make_run_passes["ops"].items():
-                    launchpad = shown["ops"][stage]["config"]
-                    assert {k: launchpad[k] for k in values["config"]} == values["config"], (
-                        job,
-                        stage,
-                    )
-                assert shown["loggers"] == make_run_passes["loggers"]
-        finally:
-            browser.close()
+            assert shown["loggers"] == make_run_passes["loggers"]
