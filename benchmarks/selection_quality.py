@@ -43,8 +43,6 @@ def load_pool(name: str):
     if name == "python_stdlib":
         return list(iter_stdlib_samples())
     path = POOLS[name]
-    if not path.exists():
-        sys.exit(f"{path} not found: the shared datasets exist only on the project's machines")
     return [normalise_record(r, str(path), line) for line, r in iter_file_records(path)]
 
 
@@ -250,6 +248,12 @@ def main() -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - start:7.0f} s] {message}", flush=True)
 
+    missing = [str(POOLS[n]) for n in args.datasets if n in POOLS and not POOLS[n].exists()]
+    if missing:  # before any dataset runs, not after the first one's hour
+        sys.exit(
+            f"{', '.join(missing)} not found: the shared datasets lie beside the project "
+            "(../shared/datasets/) only on the project's machines"
+        )
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     work = Path(tempfile.mkdtemp(prefix="selection_quality_"))
     outs = []
