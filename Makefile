@@ -9,7 +9,7 @@ INSTANCE = mkdir -p $(DAGSTER_HOME) && { [ -s $(DAGSTER_HOME)/dagster.yaml ] || 
 	cp cluster_pipeline/defs/instance/dagster.yaml $(DAGSTER_HOME)/dagster.yaml; }
 DATASET ?= python_stdlib
 PROFILE ?= cpu_quick
-JOB = $(if $(filter cpu_quick,$(PROFILE)),main_job,main_job_$(PROFILE))
+JOB = $(if $(filter-out cpu_quick,$(PROFILE)),main_job_$(PROFILE),main_job)
 PORT ?= 3000
 HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home

@@ -64,12 +64,13 @@ def compare_config(
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from cluster_pipeline.defs.profiles import UnknownProfileError
+    from cluster_pipeline.defs.profiles import check_run_config
 
     try:
         config = compare_config(
             args.selector, args.seed, asset_list(args.assets) or [], args.ratio, args.profile
         )
-    except UnknownProfileError as e:
+        check_run_config(config)  # refuse a bad ratio or seed now, not inside the run
+    except ValueError as e:  # an unknown profile, a value outside its bounds
         raise UserError(str(e)) from None
     print(yaml.safe_dump(config, sort_keys=False), end="")

@@ -36,10 +36,13 @@ def asset_list(assets: str | None) -> list[str] | None:
 
     if assets is None:
         return None
-    names = assets.split(",")
+    names = [name.strip() for name in assets.split(",") if name.strip()]
     unknown = sorted(set(names) - set(STAGES))
+    choose = f"choose from {', '.join(STAGES)}"
+    if not names:
+        raise UserError(f"--assets names no asset; {choose}")
     if unknown:
-        raise UserError(f"unknown asset(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+        raise UserError(f"unknown asset(s) {', '.join(repr(n) for n in unknown)}; {choose}")
     return names
 
 

@@ -207,3 +207,20 @@ def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFram
     if "messages" in columns and "messages" not in have:
         frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("messages"))
     return frame.select(columns)
+
+
+TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages"]
+
+
+def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
+    """A content hash of the samples ``sample_ids`` (sorted, every column training reads) in a
+    ``raw_instructions`` table version: equal across table versions that hold the same samples,
+    so a re-materialized table with unchanged data keys the same checkpoint."""
+    from cluster_pipeline.core.cache import stable_hash
+
+    rows = (
+        read_instructions(uri, version, TRAINING_COLUMNS)
+        .filter(pl.col("sample_id").is_in(sorted(sample_ids)))
+        .sort("sample_id")
+    )
+    return stable_hash(rows.rows())

@@ -1,6 +1,7 @@
 """Resources: where data lives, which base model, how torchrun is launched."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,12 @@ from pydantic import Field
 
 from cluster_pipeline.core.layout import DataLayout, default_data_dir
 from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
-from cluster_pipeline.training.torchrun import failure_summary, rank_failures, torchrun_command
+from cluster_pipeline.training.torchrun import (
+    failure_summary,
+    rank_failures,
+    signal_cause,
+    torchrun_command,
+)
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
 
@@ -110,10 +116,15 @@ class TorchrunResource(dg.ConfigurableResource):
             return pipes_client.run(context=context, command=command)
         except DagsterPipesExecutionError as e:
             failures = rank_failures(log_dir)
+            # No rank left a trace: the launcher itself died (Pipes reports its exit code).
+            code = re.search(r"failed with code (-?\d+)", str(e))
+            launcher = signal_cause(int(code.group(1))) if code else None
+            cause = failure_summary(failures) or (
+                f"the torchrun launcher was {launcher}" if launcher else str(e)
+            )
             where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
             raise dg.Failure(
-                description=f"{where}{module}: {failure_summary(failures) or e}. "
-                f"Per-rank logs: {log_dir}",
+                description=f"{where}{module}: {cause}. Per-rank logs: {log_dir}",
                 metadata={
                     **{
                         name: dg.MetadataValue.md(f"```\n{text}\n```")

@@ -101,6 +101,7 @@ class TrainSettings(_Model, SequenceSettings):
     )
     seed: int = Field(
         default=0,
+        ge=0,
         description="Training seed: the order each rank visits its shard in, every epoch, and "
         "torch's RNG (rank r uses seed + r).",
     )

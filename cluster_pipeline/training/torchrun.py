@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -117,6 +118,21 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
             text = f"killed by signal {sig} (exit code {info['exitcode']}): {cause}"
             found.append(((stopped, float(info.get("timestamp", 0)) * 1e9), name, text))
     return {name: text for _, name, text in sorted(found)}
+
+
+def signal_cause(exit_code: int) -> str | None:
+    """``killed by signal SIGKILL (exit code -9): <likely cause>`` for a negative exit code
+    (subprocess's convention for death by signal), None otherwise."""
+    if exit_code >= 0:
+        return None
+    try:
+        sig = signal.Signals(-exit_code).name
+    except ValueError:
+        return f"killed by signal {-exit_code} (exit code {exit_code})"
+    return (
+        f"killed by signal {sig} (exit code {exit_code}): "
+        f"{_SIGNAL_CAUSES.get(sig, 'killed from outside the program')}"
+    )
 
 
 def failure_summary(failures: dict[str, str]) -> str | None:

@@ -57,7 +57,7 @@ from cluster_pipeline.core.checkpoints import (
     intermediate_dir,
     metrics_path,
 )
-from cluster_pipeline.core.datasets import read_instructions
+from cluster_pipeline.core.datasets import TRAINING_COLUMNS, read_instructions
 from cluster_pipeline.core.gradients import cosine_matrix, count_sketch, mean_offdiagonal
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sharding import ShardManifest
@@ -178,7 +178,7 @@ def load_shard_samples(job: TrainJob, manifest: ShardManifest) -> pl.DataFrame:
     table = read_instructions(
         job.instructions_uri,
         job.instructions_version,
-        ["sample_id", "system", "prompt", "response", "messages"],
+        TRAINING_COLUMNS,
     )
     order = pl.DataFrame({"sample_id": list(manifest.sample_ids)}).with_row_index("position")
     rows = order.join(table, on="sample_id", how="left").sort("position")

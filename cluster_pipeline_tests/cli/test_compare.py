@@ -1,5 +1,6 @@
 """make compare's run configs: selector x ratio x seed over the main job's settings."""
 
+import pytest
 import yaml
 
 from cluster_pipeline.cli.compare import compare_config
@@ -39,16 +40,16 @@ def test_the_cli_prints_yaml(capsys):
 
 
 def test_an_unknown_asset_is_refused(capsys):
-    import pytest
 
     with pytest.raises(SystemExit) as exit_:
         main(["compare-config", "core", "0", "peripheral_subsets,nosuch_asset"])
     assert exit_.value.code == 2
-    assert "unknown asset(s) nosuch_asset; choose from raw_instructions" in capsys.readouterr().err
+    assert (
+        "unknown asset(s) 'nosuch_asset'; choose from raw_instructions" in capsys.readouterr().err
+    )
 
 
 def test_run_config_prints_the_profile_and_refuses_an_unknown_one(capsys):
-    import pytest
 
     main(["run-config", "gpu8", "--assets", "balanced_clusters"])
     assert yaml.safe_load(capsys.readouterr().out)["ops"] == {
@@ -61,3 +62,37 @@ def test_run_config_prints_the_profile_and_refuses_an_unknown_one(capsys):
         "cluster-pipeline run-config: error: unknown size profile 'gpu9'; "
         "choose from cpu_quick, gpu8\n"
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["compare-config", "core", "0", "peripheral_subsets", "--ratio", "1.5"],
+            "peripheral_subsets.ratio = 1.5: Input should be less than or equal to 1",
+        ),
+        (
+            ["compare-config", "core", "-1", "trained_checkpoint"],
+            "trained_checkpoint.seed = -1: Input should be greater than or equal to 0",
+        ),
+        (
+            ["run-config", "--assets", "raw_instructions, x,"],
+            "unknown asset(s) 'x'; choose from raw_instructions",
+        ),
+        (["run-config", "--assets", ","], "--assets names no asset; choose from"),
+    ],
+)
+def test_bad_values_are_refused_before_any_run(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_assets_are_read_with_spaces_around_names(capsys):
+    main(["run-config", "--assets", " balanced_clusters , peripheral_subsets"])
+    assert list(yaml.safe_load(capsys.readouterr().out)["ops"]) == [
+        "balanced_clusters",
+        "peripheral_subsets",
+    ]

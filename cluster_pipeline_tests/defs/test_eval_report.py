@@ -195,13 +195,19 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
     }
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize(
-            ASSETS[:6],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config={"ops": {k: v for k, v in RUN_CONFIG["ops"].items() if k != "eval_report"}},
-        ).success
+        train_chain = {"ops": {k: v for k, v in RUN_CONFIG["ops"].items() if k != "eval_report"}}
+        for _ in range(2):
+            assert dg.materialize(
+                ASSETS[:6],
+                partition_key="tiny",
+                instance=instance,
+                resources=res,
+                run_config=train_chain,
+            ).success
+        # The second run wrote a new raw_instructions version holding the same samples: the
+        # finished checkpoint is reused (its key is the samples' content, not the version).
+        assert meta(instance, "raw_instructions")["table_version"] == 1
+        assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is True
         train_cfg = RUN_CONFIG["ops"]["trained_checkpoint"]["config"]
         # make compare: 2 selectors x 2 seeds (peripheral seed 0 was trained above).
         for selector, seed in (("peripheral", 1), ("random_global", 0), ("random_global", 1)):

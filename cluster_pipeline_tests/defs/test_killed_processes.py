@@ -135,6 +135,14 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
         assert killed and not result.success
         assert f"dataset 'tiny', {evaluate}: rank_0 failed first: {OOM}" in step_failure(result)[0]
         assert not _any(lambda p: _worker(p, evaluate, 0))
+        # The torchrun launcher itself (no rank leaves a trace; Pipes gives its exit code).
+        with sigkill_when(lambda p: _launcher(p, evaluate)) as killed:
+            result = materialize([ASSETS[6]])
+        assert killed and not result.success
+        assert (
+            f"dataset 'tiny', {evaluate}: the torchrun launcher was {OOM}"
+            in step_failure(result)[0]
+        )
 
 
 def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(

@@ -30,7 +30,7 @@ class BalancedClustersConfig(dg.Config):
         ge=1.0,
         description="Capacity slack: no cluster exceeds ceil(alpha * N / K). 1.0 = exact balance.",
     )
-    seed: int = Field(default=0, description="k-means seed.")
+    seed: int = Field(default=0, ge=0, description="k-means seed.")
     niter: int = Field(default=25, ge=1, description="k-means iterations.")
     representation: Literal["gradient_proxy", "hidden_mean"] = Field(
         default="gradient_proxy",

@@ -37,7 +37,7 @@ class PeripheralSubsetsConfig(dg.Config):
         description="Selection ratio r: every "
         "cluster keeps floor(r * m) samples, m = smallest cluster size.",
     )
-    seed: int = Field(default=0, description="Seed of the random selectors.")
+    seed: int = Field(default=0, ge=0, description="Seed of the random selectors.")
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.

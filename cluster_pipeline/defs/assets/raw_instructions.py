@@ -33,7 +33,7 @@ class RawInstructionsConfig(dg.Config):
         description="Cap on the training pool N, a seeded subset (None = all; the cpu_quick "
         "default keeps 600).",
     )
-    seed: int = Field(default=0, description="Seed of the split and of the cap's subset.")
+    seed: int = Field(default=0, ge=0, description="Seed of the split and of the cap's subset.")
 
 
 def _relative(path: str, folder: Path) -> str:

@@ -21,7 +21,7 @@ from cluster_pipeline.defs.stages import stage_asset
 
 
 class ShardManifestsConfig(dg.Config):
-    seed: int = Field(default=0, description="Seed of each shard's sample order.")
+    seed: int = Field(default=0, ge=0, description="Seed of each shard's sample order.")
 
 
 @stage_asset(

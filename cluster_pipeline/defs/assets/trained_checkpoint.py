@@ -1,6 +1,7 @@
 """Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
 
 import time
+from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -8,6 +9,8 @@ from pydantic import Field
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.cache import stable_hash
 from cluster_pipeline.core.checkpoints import finished_for, read_checkpoint, read_metrics
+from cluster_pipeline.core.datasets import samples_fingerprint
+from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.defs.records import (
     PeripheralSubsetsRecord,
     ShardManifestsRecord,
@@ -78,11 +81,14 @@ def trained_checkpoint(
     except TrainingMemoryError as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
     run_dir = storage.layout.checkpoints_dir(dataset)
-    # Same manifests, data, model and settings -> same folder, so a re-executed run resumes
-    # from the interrupted one's latest checkpoint.
+    # Same manifests, sample contents, model and settings -> same folder, so a re-executed run
+    # resumes from the interrupted one's latest checkpoint and a finished one is reused, also
+    # after raw_instructions was re-materialized with unchanged data (a new table version).
+    sample_ids = {i for p in shards.manifest_paths for i in ShardManifest.read(Path(p)).sample_ids}
+    data = samples_fingerprint(instructions.uri, instructions.version, sample_ids)
     output_dir = run_dir / (
         f"{shards.manifest_set_sha256[:12]}-"
-        f"{stable_hash(model_path, instructions.version, settings.model_dump(), length=8)}"
+        f"{stable_hash(model_path, data, settings.model_dump(), length=8)}"
     )
     job = TrainJob(
         settings=settings,
