@@ -82,7 +82,7 @@ def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
     assert _op_configs(main, {}) == _op_configs(main, profile_run_config("cpu_quick"))
     # The sizes README.md and the job's docstring state.
     ops = profile_run_config("cpu_quick")["ops"]
-    assert ops["raw_instructions"]["config"] == {"max_train_samples": 600, "max_heldout": 64}
+    assert ops["raw_instructions"]["config"] == {"max_train_samples": 600, "max_heldout": 200}
     assert ops["proxy_embeddings"]["config"]["max_length"] == 256
     assert ops["balanced_clusters"]["config"]["num_clusters"] == 2
     assert ops["peripheral_subsets"]["config"] == {"selector": "peripheral", "ratio": 0.5}
