@@ -151,7 +151,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
             )
             job_file = job.dump(folder / "job.json")
             start = time.perf_counter()
-            subprocess.run(
+            done = subprocess.run(
                 [
                     sys.executable,
                     "-m",
@@ -163,9 +163,11 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                     "--config",
                     str(job_file),
                 ],
-                check=True,
                 capture_output=True,
+                text=True,
             )
+            if done.returncode != 0:
+                sys.exit(f"[{name}] training {selector} seed {seed} failed:\n{done.stderr[-3000:]}")
             wall = time.perf_counter() - start
             ckpt = read_checkpoint(job.output_dir)
             assert ckpt is not None
