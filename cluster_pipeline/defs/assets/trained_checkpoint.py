@@ -1,7 +1,6 @@
 """Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
 
 import time
-from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -10,7 +9,6 @@ from cluster_pipeline.core import plots
 from cluster_pipeline.core.cache import stable_hash
 from cluster_pipeline.core.checkpoints import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.core.datasets import samples_fingerprint
-from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.defs.records import (
     PeripheralSubsetsRecord,
     ShardManifestsRecord,
@@ -84,7 +82,7 @@ def trained_checkpoint(
     # Same manifests, sample contents, model and settings -> same folder, so a re-executed run
     # resumes from the interrupted one's latest checkpoint and a finished one is reused, also
     # after raw_instructions was re-materialized with unchanged data (a new table version).
-    sample_ids = {i for p in shards.manifest_paths for i in ShardManifest.read(Path(p)).sample_ids}
+    sample_ids = set(shards.table.read(["sample_id"])["sample_id"].to_list())
     data = samples_fingerprint(instructions.uri, instructions.version, sample_ids)
     output_dir = run_dir / (
         f"{shards.manifest_set_sha256[:12]}-"
