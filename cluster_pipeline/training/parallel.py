@@ -12,6 +12,7 @@ al. 2020, section 3.1): DDP holds 16 bytes x P on every rank, FSDP2 16 x P / wor
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,11 @@ def export_model(model, state: dict[str, Any]):
     from transformers import AutoModelForCausalLM
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # A copy: peft's merge below edits the config it is given.
+    config = copy.deepcopy(base.config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(base.config)
+        plain = AutoModelForCausalLM.from_config(config)
     lora = getattr(model, "peft_config", None)
     if lora:  # load into a peft copy, then merge the adapters into the weights
         from peft import get_peft_model
@@ -124,6 +128,14 @@ def export_model(model, state: dict[str, Any]):
     if lora:
         plain = plain.merge_and_unload()
     plain.tie_weights()
+    if tied:
+        # The gathered state holds the tied matrices as two tensors, and peft's merge then
+        # unties them (clearing the config flag): tie them again, so the export keeps the base
+        # architecture (one embedding matrix, not two).
+        plain.config.tie_word_embeddings = True
+        output = plain.get_output_embeddings()
+        if output is not None:
+            output.weight = plain.get_input_embeddings().weight
     empty = [name for name, p in plain.named_parameters() if p.is_meta]
     if empty:
         raise RuntimeError(f"the gathered state has no value for {empty[:3]} ({len(empty)} in all)")

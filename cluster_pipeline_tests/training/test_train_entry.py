@@ -328,3 +328,47 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     )
     assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
     assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
+    """A state gathered from FSDP shards holds tied matrices as two tensors; the exported
+    model ties them again (one embedding matrix, as the base), merges LoRA, and leaves the
+    training model's config alone."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster_pipeline.training.parallel import apply_lora, export_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    if lora_r:
+        model = apply_lora(model, TrainSettings(lora_r=lora_r))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at init: make the merge change the weights
+                torch.nn.init.normal_(p)
+    expected = copy.deepcopy(model)
+    expected = expected.merge_and_unload() if lora_r else expected
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # untied, as gathered
+    plain = export_model(model, state)
+    assert plain.config.tie_word_embeddings is True
+    assert plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+    assert sum(p.numel() for p in plain.parameters()) == sum(
+        p.numel() for p in expected.parameters()
+    )
+    for (name, p), (_, q) in zip(
+        plain.named_parameters(), expected.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, msg=name)
+    base = model.get_base_model() if lora_r else model
+    assert base.config.tie_word_embeddings is True
