@@ -65,6 +65,7 @@ class ModelEntry:
     group: str
     path: str
     checkpoint: Checkpoint | None = None
+    setup: str = ""
 
     def cache_stamp(self) -> str:
         """Changes when the model changes: a checkpoint folder rewritten in place (resumed,
@@ -74,20 +75,44 @@ class ModelEntry:
         return model_fingerprint(self.path)
 
 
+# Training settings that differ between runs of one setup (seeds) or do not change the model.
+RUN_ONLY_SETTINGS = frozenset(
+    {
+        "seed",
+        "resume",
+        "save_every_steps",
+        "keep_checkpoints",
+        "grad_cosine_every",
+        "grad_sketch_dim",
+    }
+)
+
+
 def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
     """The base model, then each checkpoint named by selector, ratio and its training /
     selection seeds. Checkpoints written before provenance was recorded keep their folder
-    name as their group."""
+    name as their group.
+
+    Checkpoints whose training settings differ other than by seed (say ``lora_r`` or
+    ``max_steps``) are different setups, not seeds of one: each group then also names its
+    values of the settings that vary, e.g. ``peripheral r=0.5 (lora_r=8)``, and is compared
+    only with references of the same setup."""
+    varying = sorted(
+        key
+        for key in {k for c in checkpoints for k in c.settings} - RUN_ONLY_SETTINGS
+        if len({json.dumps(c.settings.get(key), sort_keys=True) for c in checkpoints}) > 1
+    )
     entries = [ModelEntry("base", "base", base_path)]
     for ckpt in checkpoints:
         prov = ckpt.provenance
+        setup = ", ".join(f"{k}={ckpt.settings.get(k)}" for k in varying)
         group = (
             f"{prov['selector']} r={prov.get('ratio')}"
             if "selector" in prov
             else f"checkpoint {ckpt.path.name}"
-        )
+        ) + (f" ({setup})" if setup else "")
         seeds = f"seed {ckpt.settings.get('seed', 0)}/{prov.get('selection_seed', 0)}"
-        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt))
+        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt, setup))
     return entries
 
 
@@ -113,6 +138,7 @@ class ModelResult:
     grad_cosine: float | None = None
     current: bool = False
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    setup: str = ""
 
 
 def evaluate_entries(
@@ -162,6 +188,7 @@ def evaluate_entries(
                 grad_cosine=ckpt.mean_grad_cosine() if ckpt else None,
                 current=Path(entry.path) == Path(current),
                 loss_curve=ckpt.loss_curve() if ckpt else [],
+                setup=entry.setup,
             )
         )
     return results, heldout
@@ -191,6 +218,7 @@ def aggregate(results: list[ModelResult], metric_names: list[str]) -> list[dict]
             "current": any(m.current for m in members),
             "selector": members[0].selector,
             "ratio": members[0].ratio,
+            "setup": members[0].setup,
         }
         columns = {m: [x.metrics.get(m, math.nan) for x in members] for m in metric_names}
         for name in RUN_COLUMNS:
@@ -245,17 +273,17 @@ def _stack(members: list[ModelResult], metric: str, ids: list[str]) -> np.ndarra
 
 def references_of(group: str, rows: list[dict]) -> list[str]:
     """The groups a group is compared with: random_global at the same ratio (unless it is
-    one), full data, and the base model."""
+    one), full data, both of the same training setup, and the base model."""
     me = next(r for r in rows if r["group"] == group)
+    same = [r for r in rows if r["group"] != group and r.get("setup", "") == me.get("setup", "")]
     refs = [
         r["group"]
-        for r in rows
+        for r in same
         if r["selector"] == "random_global"
         and r["ratio"] == me["ratio"]
-        and r["group"] != group
         and me["selector"] != "full"
     ]
-    refs += [r["group"] for r in rows if r["selector"] == "full" and r["group"] != group]
+    refs += [r["group"] for r in same if r["selector"] == "full"]
     return [*refs, "base"]
 
 

@@ -286,3 +286,54 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
             [ASSETS[6]], partition_key="tiny", instance=instance, resources=res, run_config=eval_cfg
         ).success
         assert len(list((report.parent / "evals").glob("*.json"))) == 5
+
+
+def test_checkpoints_of_other_training_setups_are_groups_of_their_own():
+    """Seeds of one setup share a group; a run with other training settings (LoRA here) is a
+    group of its own, named by the settings that vary, and compared with references of its
+    setup only."""
+    from cluster_pipeline.core.checkpoints import Checkpoint
+    from cluster_pipeline.core.report import model_entries, references_of
+
+    def ckpt(name, selector, seed, **settings):
+        info = {
+            "config": {
+                "settings": {"seed": seed, "lora_r": 0, "epochs": 1, **settings},
+                "provenance": {"selector": selector, "ratio": 0.5, "selection_seed": seed},
+            }
+        }
+        return Checkpoint(Path(name), info)
+
+    entries = model_entries(
+        "base_model",
+        [
+            ckpt("a", "peripheral", 0),
+            ckpt("b", "peripheral", 1, save_every_steps=2),  # a run-only setting: same setup
+            ckpt("c", "peripheral", 0, lora_r=8),
+            ckpt("d", "random_global", 0),
+            ckpt("e", "random_global", 0, lora_r=8),
+        ],
+    )
+    assert [(e.name, e.group) for e in entries] == [
+        ("base", "base"),
+        ("peripheral r=0.5 (lora_r=0) seed 0/0", "peripheral r=0.5 (lora_r=0)"),
+        ("peripheral r=0.5 (lora_r=0) seed 1/1", "peripheral r=0.5 (lora_r=0)"),
+        ("peripheral r=0.5 (lora_r=8) seed 0/0", "peripheral r=0.5 (lora_r=8)"),
+        ("random_global r=0.5 (lora_r=0) seed 0/0", "random_global r=0.5 (lora_r=0)"),
+        ("random_global r=0.5 (lora_r=8) seed 0/0", "random_global r=0.5 (lora_r=8)"),
+    ]
+    rows = [
+        {"group": e.group, "selector": s, "ratio": 0.5 if s else None, "setup": e.setup}
+        for e, s in zip(
+            entries,
+            [None, "peripheral", "peripheral", "peripheral", "random_global", "random_global"],
+            strict=True,
+        )
+    ]
+    assert references_of("peripheral r=0.5 (lora_r=8)", rows) == [
+        "random_global r=0.5 (lora_r=8)",
+        "base",
+    ]
+    # One setup only: the names are as before, without a suffix.
+    same = model_entries("base_model", [ckpt("a", "peripheral", 0), ckpt("b", "peripheral", 1)])
+    assert [e.group for e in same] == ["base", "peripheral r=0.5", "peripheral r=0.5"]
