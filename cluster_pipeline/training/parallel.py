@@ -250,12 +250,18 @@ def check_training_memory(
     need = training_bytes_per_rank(n_parameters, trainable, cfg.parallelism, world_size)
     if need > available_per_rank:
         gib = 2**30
-        fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
+        ways = []
+        if cfg.parallelism != "fsdp" and world_size > 1:
+            fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
+            ways.append(f"parallelism: fsdp ({fsdp / gib:.1f} GiB per rank)")
+        if not cfg.lora_r:
+            lora = training_bytes_per_rank(n_parameters, 0, cfg.parallelism, world_size)
+            ways.append(f"lora_r > 0 ({lora / gib:.1f} GiB per rank)")
+        ways.append("more ranks" if cfg.parallelism == "fsdp" else "a machine with more memory")
         raise TrainingMemoryError(
             f"training needs about {need / gib:.1f} GiB per rank ({n_parameters / 1e6:.0f}M "
-            f"parameters x {need / n_parameters:.0f} bytes, parallelism {cfg.parallelism}, "
-            f"{world_size} ranks, activations aside) but {available_per_rank / gib:.1f} GiB is "
-            f"available per rank; use parallelism: fsdp ({fsdp / gib:.1f} GiB per rank), "
-            "lora_r > 0, or more ranks"
+            f"parameters, parallelism {cfg.parallelism}{', LoRA' if cfg.lora_r else ''}, "
+            f"{world_size} ranks; activations aside) but {available_per_rank / gib:.1f} GiB is "
+            f"available per rank; use {', or '.join(ways)}"
         )
     return need

@@ -322,9 +322,15 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     with pytest.raises(TrainingMemoryError) as refused:
         check_training_memory(n, TrainSettings(parallelism="ddp"), 2, twelve_gib)
     assert str(refused.value) == (
-        "training needs about 13.6 GiB per rank (912M parameters x 16 bytes, parallelism ddp, "
-        "2 ranks, activations aside) but 12.0 GiB is available per rank; use parallelism: fsdp "
-        "(6.8 GiB per rank), lora_r > 0, or more ranks"
+        "training needs about 13.6 GiB per rank (912M parameters, parallelism ddp, 2 ranks; "
+        "activations aside) but 12.0 GiB is available per rank; use parallelism: fsdp "
+        "(6.8 GiB per rank), or lora_r > 0 (3.4 GiB per rank), or a machine with more memory"
+    )
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(n, TrainSettings(parallelism="fsdp", lora_r=8), 2, 2**30)
+    assert str(refused.value).endswith(
+        "(912M parameters, parallelism fsdp, LoRA, 2 ranks; activations aside) but 1.0 GiB is "
+        "available per rank; use more ranks"
     )
     assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
     assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
