@@ -34,17 +34,25 @@ ASSETS = pipeline_assets()
 OOM = "killed by signal SIGKILL (exit code -9): likely out of memory"
 
 
-def _worker(proc: psutil.Process, module: str, rank: int) -> bool:
-    """A torchrun worker process of ``module`` with LOCAL_RANK ``rank`` (not its launcher)."""
+def _worker(proc: psutil.Process, module: str, rank: int, data: Path) -> bool:
+    """A torchrun worker process of ``module`` with LOCAL_RANK ``rank`` (not its launcher)
+    whose job file lies under ``data`` (this test's, never another job's on the machine)."""
     cmdline = proc.cmdline()
-    if module not in cmdline or any("cluster_pipeline.training.launch" in c for c in cmdline):
+    if module not in cmdline or not any(str(data) in c for c in cmdline):
+        return False
+    if any("cluster_pipeline.training.launch" in c for c in cmdline):
         return False
     return proc.environ().get("LOCAL_RANK") == str(rank)
 
 
-def _launcher(proc: psutil.Process, module: str) -> bool:
+def _launcher(proc: psutil.Process, module: str, data: Path) -> bool:
+    """The torchrun launcher of ``module`` for a job file under ``data``."""
     cmdline = proc.cmdline()
-    return module in cmdline and any("cluster_pipeline.training.launch" in c for c in cmdline)
+    return (
+        module in cmdline
+        and any("cluster_pipeline.training.launch" in c for c in cmdline)
+        and any(str(data) in c for c in cmdline)
+    )
 
 
 def _any(match: Callable[[psutil.Process], bool]) -> bool:
@@ -116,7 +124,7 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
 
         # Embedding rank 1 of 2.
         embed = "cluster_pipeline.training.embed"
-        with sigkill_when(lambda p: _worker(p, embed, 1)) as killed:
+        with sigkill_when(lambda p: _worker(p, embed, 1, tiny_data_dir)) as killed:
             result = materialize(ASSETS[:2], proxy_embeddings={"world_size": 2, "chunk_size": 4})
         assert killed and not result.success
         description, metadata = step_failure(result)
@@ -127,20 +135,20 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
         assert materialize(ASSETS[:6]).success
         # Training rank 1 of 2.
         train = "cluster_pipeline.training.train"
-        with sigkill_when(lambda p: _worker(p, train, 1)) as killed:
+        with sigkill_when(lambda p: _worker(p, train, 1, tiny_data_dir)) as killed:
             result = materialize([ASSETS[5]], trained_checkpoint={"retrain": True})
         assert killed and not result.success
         assert f"dataset 'tiny', {train}: rank_1 failed first: {OOM}" in step_failure(result)[0]
 
         # The evaluation process (one per model).
         evaluate = "cluster_pipeline.training.evaluate"
-        with sigkill_when(lambda p: _worker(p, evaluate, 0)) as killed:
+        with sigkill_when(lambda p: _worker(p, evaluate, 0, tiny_data_dir)) as killed:
             result = materialize([ASSETS[6]])
         assert killed and not result.success
         assert f"dataset 'tiny', {evaluate}: rank_0 failed first: {OOM}" in step_failure(result)[0]
-        assert not _any(lambda p: _worker(p, evaluate, 0))
+        assert not _any(lambda p: _worker(p, evaluate, 0, tiny_data_dir))
         # The torchrun launcher itself (no rank leaves a trace; Pipes gives its exit code).
-        with sigkill_when(lambda p: _launcher(p, evaluate)) as killed:
+        with sigkill_when(lambda p: _launcher(p, evaluate, tiny_data_dir)) as killed:
             result = materialize([ASSETS[6]])
         assert killed and not result.success
         assert (
@@ -178,7 +186,7 @@ def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(
             "CLUSTER_PIPELINE_BASE_MODEL": str(tiny_model_dir),
         }
         dagster = str(Path(sys.executable).parent / "dagster")
-        with sigkill_when(lambda p: _launcher(p, evaluate), parent=True) as killed:
+        with sigkill_when(lambda p: _launcher(p, evaluate, tiny_data_dir), parent=True) as killed:
             out = subprocess.run(
                 [dagster, "asset", "materialize", "-m", "cluster_pipeline.definitions"]
                 + ["--select", "eval_report", "--partition", "tiny", "-c", str(config)],
@@ -199,7 +207,7 @@ def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(
         ), messages
 
         def evaluation_alive(p: psutil.Process) -> bool:
-            return _worker(p, evaluate, 0) or _launcher(p, evaluate)
+            return _worker(p, evaluate, 0, tiny_data_dir) or _launcher(p, evaluate, tiny_data_dir)
 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _any(evaluation_alive):
