@@ -84,7 +84,10 @@ class TrainSettings(_Model, SequenceSettings):
     )
     epochs: int = Field(default=1, ge=1, description="Passes over each rank's shard.")
     max_steps: int | None = Field(
-        default=None, ge=1, description="Stop after this many optimizer steps (None = all epochs)."
+        default=None,
+        ge=1,
+        description="Stop after this many optimizer steps (None = all epochs; never more steps "
+        "than the epochs hold).",
     )
     learning_rate: float = Field(default=1e-4, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
