@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -364,7 +365,7 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
         for name, p in model.named_parameters():
             if "lora_B" in name:  # B = 0 at init: make the merge change the weights
                 torch.nn.init.normal_(p)
-    expected = copy.deepcopy(model)
+    expected: Any = copy.deepcopy(model)
     expected = expected.merge_and_unload() if lora_r else expected
     state = {k: v.clone() for k, v in model.state_dict().items()}  # untied, as gathered
     plain = export_model(model, state)
@@ -377,5 +378,6 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
         plain.named_parameters(), expected.named_parameters(), strict=True
     ):
         torch.testing.assert_close(p, q, msg=name)
-    base = model.get_base_model() if lora_r else model
+    wrapped: Any = model
+    base = wrapped.get_base_model() if lora_r else wrapped
     assert base.config.tie_word_embeddings is True
