@@ -71,7 +71,9 @@ def build_tokenizer(chat_template: str | None = CHATML, pad: str | None = "<pad>
     return fast
 
 
-def build_model(vocab_size: int, seed: int = 0, pad_token_id: int | None = None):
+def build_model(
+    vocab_size: int, seed: int = 0, pad_token_id: int | None = None, tie_word_embeddings=False
+):
     """A 2-layer Llama with hidden size 32, random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -84,7 +86,7 @@ def build_model(vocab_size: int, seed: int = 0, pad_token_id: int | None = None)
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=pad_token_id,
     )
     model = LlamaForCausalLM(config)

@@ -345,21 +345,10 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
     training model's config alone."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from cluster_pipeline.training.parallel import apply_lora, export_model
+    from cluster_pipeline_tests.helpers import build_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
+    model = build_model(64, tie_word_embeddings=True)
     if lora_r:
         model = apply_lora(model, TrainSettings(lora_r=lora_r))
         for name, p in model.named_parameters():
