@@ -114,7 +114,10 @@ def browser_page() -> Iterator:
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         # The one-time newsletter prompt can open at any moment (later on a loaded machine);
         # whenever it covers what a step wants to click, dismiss it first.
-        page.add_locator_handler(page.get_by_role("button", name="Skip"), lambda skip: skip.click())
+        page.add_locator_handler(
+            page.get_by_role("button", name="Skip"),
+            lambda skip: skip.click(force=True, timeout=10000),
+        )
         try:
             yield page
         finally:
