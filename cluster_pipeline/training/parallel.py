@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cluster_pipeline.training.config import TrainSettings
 
 ADAPTER_DIR = "adapter"  # the LoRA adapter, beside the merged weights of a checkpoint
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name for adapter weights
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files of an FSDP intermediate checkpoint
 BYTES_PER_PARAMETER = {"weights": 4, "gradients": 4, "adam": 8}
 
@@ -166,9 +167,15 @@ def save_adapter(model, state: dict[str, Any], out_dir: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     configs["default"].save_pretrained(str(folder))
     adapter = get_peft_model_state_dict(model, state_dict=state)
-    save_file(
-        {k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors")
-    )
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_WEIGHTS))
+
+
+def load_adapter(model, folder: Path) -> None:
+    """Load the adapter weights a peft ``save_pretrained`` wrote to ``folder`` into ``model``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(str(folder / ADAPTER_WEIGHTS)))
 
 
 def save_sharded(model, optimizer, folder: Path) -> None:

@@ -110,12 +110,13 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
         if sig and name not in named:
             # torchrun stops the other ranks with SIGTERM once one fails: a consequence.
             stopped = sig in ("SIGTERM", "SIGINT")
-            cause = (
-                "stopped by torchrun after another rank failed, or by a user"
+            text = (
+                f"killed by signal {sig} (exit code {info['exitcode']}): stopped by torchrun "
+                "after another rank failed, or by a user"
                 if stopped
-                else _SIGNAL_CAUSES.get(sig, "killed from outside the program")
+                else signal_cause(int(info["exitcode"]))
+                or f"killed by signal {sig} (exit code {info['exitcode']})"
             )
-            text = f"killed by signal {sig} (exit code {info['exitcode']}): {cause}"
             found.append(((stopped, float(info.get("timestamp", 0)) * 1e9), name, text))
     return {name: text for _, name, text in sorted(found)}
 

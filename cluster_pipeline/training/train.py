@@ -77,6 +77,7 @@ from cluster_pipeline.training.parallel import (
     full_state_dict,
     gradient_sync,
     is_fsdp,
+    load_adapter,
     load_sharded,
     save_adapter,
     save_sharded,
@@ -278,10 +279,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         model = apply_lora(model, cfg)
         torch.manual_seed(cfg.seed + env.rank)
         if resume is not None and cfg.parallelism == "ddp":
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(model, load_file(str(resume / "adapter_model.safetensors")))
+            load_adapter(model, resume)
     rows = load_shard_samples(job, manifest)
     encoded = encode_rows(tokenizer, rows, cfg)
     ddp_model = wrap(model, cfg, env.device)
