@@ -234,15 +234,22 @@ def print_dataset(out: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--datasets", nargs="+", default=["python_stdlib", "gpteacher_codegen"])
+    p.add_argument(
+        "--datasets",
+        nargs="+",
+        default=["python_stdlib", "gpteacher_codegen"],
+        choices=["python_stdlib", *POOLS],
+    )
     p.add_argument("--pool", type=int, default=128, help="training pool N per dataset")
-    p.add_argument("--heldout", type=int, default=160)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--ratio", type=float, default=0.4)
+    p.add_argument("--heldout", type=int, default=160, help="held-out samples per dataset")
+    p.add_argument("--max-length", type=int, default=128, help="tokens per sample")
+    p.add_argument("--ratio", type=float, default=0.4, help="selection ratio r, 0 < r < 1")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--humaneval", type=int, default=40, help="HumanEval problems (solution NLL)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_quality.json")
     args = p.parse_args()
+    if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:
+        p.error("need --pool >= 8, --heldout >= 2, 0 < --ratio < 1 and seeds >= 0")
 
     from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
 
