@@ -1,16 +1,34 @@
 """Balanced clustering (docs/design.md, step 2): k-means, then an optimal capacity-constrained
-assignment.
+assignment, on pools of any size.
 
-K-means (faiss) runs on the L2-normalised proxy embeddings. The capacity step then assigns every
+K-means (faiss) runs on the L2-normalised proxy embeddings: the centroids are trained on a seeded
+sample of at most 65,536 rows, and every row is then assigned. The capacity step assigns every
 sample to one of the K centroids so that no cluster holds more than ``cap = ceil(alpha * N / K)``
-samples, minimising the total squared distance. That is a transportation problem, solved exactly
-as a min-cost flow (OR-Tools ``SimpleMinCostFlow``): source -> sample (capacity 1) -> centroid
-(cost = squared distance) -> sink (capacity cap).
+samples, minimising the total squared distance: a transportation problem with K sinks.
+
+The embeddings are streamed from their Delta table batch by batch (:func:`cluster_stream`): one
+pass gathers the k-means sample, a second computes the (N, K) float32 distance matrix, which is
+all that stays in memory (320 MB at N = 10M, K = 8), never the (N, d) embeddings. Small pools take
+the same path; when the whole pool is the sample, one pass does.
+
+The capacity step (:func:`capacity_assignment`) is exact without a flow over all N x K arcs:
+
+1. Dual prices p (one per cluster) from the exact optimum on a seeded subsample (its caps scaled).
+2. Every sample whose best cluster under ``sq_dist + p`` leads the runner-up by more than a margin
+   is fixed there; the samples within the margin (the boundary, about 1 % of the pool) are
+   assigned by an exact min-cost flow (OR-Tools ``SimpleMinCostFlow``) into the capacity left.
+3. Certificate: LP duality. For any p >= 0, ``D(p) = sum_i min_c (d_ic + p_c) - cap * sum_c p_c``
+   is a lower bound on the optimum (weak duality of the transportation LP; e.g. Ahuja, Magnanti
+   & Orlin, *Network Flows*, 1993, ch. 9). The prices that certify an assignment are shortest-path
+   distances in the K-node graph whose arc l -> d costs ``min_{i in l} (d_id - d_il)`` (no
+   negative cycle <=> optimal). The step returns when ``cost - D(p) <= tolerance * cost``;
+   otherwise the boundary grows (up to the whole pool, which is the plain flow).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,13 +36,22 @@ import polars as pl
 
 from cluster_pipeline.core.tables import TableRef
 
-# Min-cost flow needs integer costs; squared distances of unit vectors lie in [0, 4].
-_COST_SCALE = 1e6
+# A stream of embeddings: (sample ids or None, (b, d) float32 rows) batches; a fresh iterator
+# per call, in the same rows each time.
+Batches = Callable[[], Iterable[tuple[pl.Series | None, np.ndarray]]]
+
+# Relative duality gap at which the capacity step stops (flow costs are integers at 1e-9 of the
+# cost range per sample, so an optimal assignment certifies far below this).
+GAP_TOLERANCE = 1e-8
+# Samples in the subsample that prices the clusters, and the smallest boundary solved by flow.
+_PRICE_SAMPLE = 50_000
+# Rows per block when a (b, K) temporary is formed over the distance matrix.
+_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
 class ClusterResult:
-    """Output of :func:`balanced_kmeans` for N samples, d dimensions, K clusters.
+    """Output of :func:`balanced_kmeans` / :func:`cluster_stream` for N samples, K clusters.
 
     Attributes:
         labels: (N,) int64, cluster after the capacity step.
@@ -34,6 +61,9 @@ class ClusterResult:
         kmeans_sizes / sizes: (K,) int64, cluster sizes before / after the capacity step.
         cap: the capacity ceil(alpha * N / K).
         kmeans_cost / cost: total squared distance before / after the capacity step.
+        lower_bound: the LP dual bound D(p) certifying ``cost`` (module docstring); the optimum
+            lies in [lower_bound, cost].
+        boundary_samples: samples the exact flow assigned (0 when k-means already fit the caps).
     """
 
     labels: np.ndarray
@@ -45,11 +75,30 @@ class ClusterResult:
     cap: int
     kmeans_cost: float
     cost: float
+    lower_bound: float
+    boundary_samples: int
 
     @property
     def cost_increase(self) -> float:
         """Relative rise of the k-means objective caused by the capacity step (0.02 = 2 %)."""
         return self.cost / self.kmeans_cost - 1.0 if self.kmeans_cost > 0 else 0.0
+
+    @property
+    def optimality_gap(self) -> float:
+        """(cost - lower_bound) / cost: how far above the optimum ``cost`` can be, at most."""
+        return (self.cost - self.lower_bound) / self.cost if self.cost > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CapacityAssignment:
+    """Output of :func:`capacity_assignment`: ``labels`` (N,) int64, their ``cost`` and the
+    certified ``lower_bound`` on the optimum (float64 sums of float32 distances), and the number
+    of ``boundary`` samples the flow solved."""
+
+    labels: np.ndarray
+    cost: float
+    lower_bound: float
+    boundary: int
 
 
 def capacity(n: int, k: int, alpha: float) -> int:
@@ -73,45 +122,57 @@ def squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return np.maximum(d, 0.0, out=d).astype(np.float32, copy=False)
 
 
-def capacity_assignment(sq_dist: np.ndarray, cap: int) -> np.ndarray:
-    """Optimal assignment of N samples to K clusters with at most ``cap`` per cluster.
+def capacity_assignment_flow(sq_dist: np.ndarray, caps: int | np.ndarray) -> np.ndarray:
+    """Optimal assignment of N samples to K clusters, cluster c holding at most ``caps[c]``,
+    by one min-cost flow over all N x K arcs: source -> sample (capacity 1) -> cluster (cost =
+    squared distance) -> sink (capacity caps[c]). The reference solver; memory grows with N * K.
 
-    Minimises sum_i sq_dist[i, label_i] exactly (min-cost flow; costs rounded to 1e-6).
+    Costs are reduced per row (subtracting a sample's smallest distance changes no optimum) and
+    rounded to integers at 1e-9 of their range.
 
     Args:
         sq_dist: (N, K) float32 squared distances.
-        cap: cluster capacity; must satisfy K * cap >= N.
+        caps: one capacity for every cluster, or (K,) int64 capacities; sum >= N.
 
     Returns:
         (N,) int64 labels.
 
     Raises:
-        ValueError: K * cap < N.
+        ValueError: the capacities sum below N.
         RuntimeError: the solver reports no optimal flow.
     """
     from ortools.graph.python import min_cost_flow
 
     n, k = sq_dist.shape
-    if k * cap < n:
-        raise ValueError(f"K * cap = {k} * {cap} < N = {n}: the clusters cannot hold every sample")
+    caps = np.broadcast_to(np.asarray(caps, dtype=np.int64), (k,))
+    if int(caps.sum()) < n:
+        raise ValueError(
+            f"K * cap = {int(caps.sum())} < N = {n}: the clusters cannot hold every sample"
+        )
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
     if k == 1:
         return np.zeros(n, dtype=np.int64)
+    reduced = sq_dist.astype(np.float64) - sq_dist.min(axis=1, keepdims=True)
+    top = float(reduced.max())
+    scale = 1e9 / top if top > 0 else 1.0
     source, sink = n + k, n + k + 1
     samples = np.arange(n, dtype=np.int64)
     clusters = n + np.arange(k, dtype=np.int64)
     tails = np.concatenate([np.full(n, source), np.repeat(samples, k), clusters])
     heads = np.concatenate([samples, np.tile(clusters, n), np.full(k, sink)])
-    caps = np.concatenate([np.ones(n, np.int64), np.ones(n * k, np.int64), np.full(k, cap)])
+    arc_caps = np.concatenate([np.ones(n, np.int64), np.ones(n * k, np.int64), caps])
     costs = np.concatenate(
         [
             np.zeros(n, np.int64),
-            np.rint(sq_dist.astype(np.float64).ravel() * _COST_SCALE).astype(np.int64),
+            np.rint(reduced.ravel() * scale).astype(np.int64),
             np.zeros(k, np.int64),
         ]
     )
+    del reduced
     flow = min_cost_flow.SimpleMinCostFlow()
     # OR-Tools' type stubs spell the dtype where the shape goes; the arrays are what it takes.
-    flow.add_arcs_with_capacity_and_unit_cost(tails, heads, caps, costs)  # pyright: ignore[reportArgumentType]
+    flow.add_arcs_with_capacity_and_unit_cost(tails, heads, arc_caps, costs)  # pyright: ignore[reportArgumentType]
     supplies = np.zeros(n + k + 2, dtype=np.int64)
     supplies[source], supplies[sink] = n, -n
     flow.set_nodes_supplies(np.arange(n + k + 2), supplies)  # pyright: ignore[reportArgumentType]
@@ -123,12 +184,130 @@ def capacity_assignment(sq_dist: np.ndarray, cap: int) -> np.ndarray:
     return used.argmax(axis=1).astype(np.int64)
 
 
-def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25, max_train_points: int = 65536):
-    """faiss k-means on rows of x (N, d) float32; returns (K, d) float32 centroids.
+def dual_prices(sq_dist: np.ndarray, labels: np.ndarray, cap: int) -> np.ndarray:
+    """Cluster prices p (K,) float64 >= 0 that certify ``labels`` when it is optimal.
 
-    Centroids are trained on a seeded sample of at most ``max_train_points`` rows (faiss's own
-    subsampling); every row is then assigned by the caller.
+    p_l is the shortest-path distance from l to the clusters below ``cap`` (price 0) in the K-node
+    graph with arc l -> d of cost ``w_ld = min_{i: label_i = l} (d_id - d_il)``: then every sample
+    is at a cheapest cluster under ``d + p`` and only full clusters have a positive price, the
+    complementary slackness of the transportation LP. When every cluster is full, distances are
+    taken to the cluster that is cheapest to reach. A negative cycle (a non-optimal assignment)
+    leaves prices that still give a valid, looser, bound (they are clipped at 0).
     """
+    n, k = sq_dist.shape
+    w = np.full((k, k), np.inf)
+    for lo in range(0, n, _BLOCK):
+        d = sq_dist[lo : lo + _BLOCK].astype(np.float64)
+        lab = labels[lo : lo + _BLOCK]
+        own = d[np.arange(len(d)), lab]
+        for c in np.unique(lab):
+            rows = lab == c
+            w[c] = np.minimum(w[c], (d[rows] - own[rows, None]).min(axis=0))
+    sizes = np.bincount(labels, minlength=k)
+    free = sizes < cap
+    dist = np.where(free, 0.0, np.inf)
+    if not free.any():
+        dist[0] = 0.0
+    for _ in range(k):
+        dist = np.minimum(dist, (w + dist[None, :]).min(axis=1))
+    dist = np.where(np.isfinite(dist), dist, 0.0)
+    if not free.any():
+        dist -= dist.min()
+    return np.maximum(dist, 0.0)
+
+
+def dual_bound(sq_dist: np.ndarray, prices: np.ndarray, cap: int) -> float:
+    """D(p) = sum_i min_c (d_ic + p_c) - cap * sum_c p_c: a lower bound on the cost of every
+    assignment with at most ``cap`` per cluster, for any prices p >= 0 (weak LP duality)."""
+    total = 0.0
+    for lo in range(0, len(sq_dist), _BLOCK):
+        total += float((sq_dist[lo : lo + _BLOCK] + prices[None, :]).min(axis=1).sum())
+    return total - cap * float(prices.sum())
+
+
+def _boundary_solve(
+    sq_dist: np.ndarray, cap: int, prices: np.ndarray, boundary: int
+) -> tuple[np.ndarray, int]:
+    """Fix every sample at its cheapest cluster under ``sq_dist + prices`` except the
+    ``boundary`` (at least) with the smallest lead over their runner-up, then assign those by
+    exact flow into the capacity the fixed samples leave. The boundary doubles until no cluster
+    is overfull with fixed samples alone. Returns (labels, boundary size)."""
+    n, k = sq_dist.shape
+    best = np.empty(n, dtype=np.int64)
+    lead = np.empty(n, dtype=np.float32)
+    for lo in range(0, n, _BLOCK):
+        r = sq_dist[lo : lo + _BLOCK] + prices.astype(np.float32)[None, :]
+        best[lo : lo + len(r)] = r.argmin(axis=1)
+        two = np.partition(r, 1, axis=1)
+        lead[lo : lo + len(r)] = two[:, 1] - two[:, 0]
+    while True:
+        if boundary >= n:
+            inside = np.ones(n, dtype=bool)
+        else:
+            inside = lead <= np.partition(lead, boundary)[boundary]
+        left = cap - np.bincount(best[~inside], minlength=k)
+        if (left >= 0).all():
+            break
+        boundary *= 2
+    rows = np.flatnonzero(inside)
+    best[rows] = capacity_assignment_flow(sq_dist[rows], left)
+    return best, len(rows)
+
+
+def capacity_assignment(
+    sq_dist: np.ndarray, cap: int, seed: int = 0, tolerance: float = GAP_TOLERANCE
+) -> CapacityAssignment:
+    """Optimal assignment of N samples to K clusters with at most ``cap`` per cluster,
+    minimising sum_i sq_dist[i, label_i], certified by an LP dual bound (module docstring).
+
+    Memory: a few (N,) arrays beside the input, and a flow over the boundary only (about 1 % of
+    N, at least 50,000 samples); pools up to that size are solved by one flow outright.
+
+    Args:
+        sq_dist: (N, K) float32 squared distances.
+        cap: cluster capacity; must satisfy K * cap >= N.
+        seed: seed of the subsample that gives the first prices.
+        tolerance: stop when (cost - bound) <= tolerance * cost.
+
+    Raises:
+        ValueError: K * cap < N.
+        RuntimeError: the flow solver reports no optimal flow.
+    """
+    n, k = sq_dist.shape
+    if k * cap < n:
+        raise ValueError(f"K * cap = {k} * {cap} < N = {n}: the clusters cannot hold every sample")
+    labels = sq_dist.argmin(axis=1).astype(np.int64)
+    boundary = 0
+    if k > 1 and n and np.bincount(labels, minlength=k).max() > cap:
+        if n <= _PRICE_SAMPLE:
+            prices = np.zeros(k)
+            boundary = n
+        else:
+            rng = np.random.default_rng(seed)
+            sample = np.sort(rng.choice(n, size=_PRICE_SAMPLE, replace=False))
+            sample_cap = math.ceil(cap * _PRICE_SAMPLE / n)
+            sample_labels = capacity_assignment_flow(sq_dist[sample], sample_cap)
+            prices = dual_prices(sq_dist[sample], sample_labels, sample_cap)
+            boundary = max(_PRICE_SAMPLE, n // 100)
+        while True:
+            labels, solved = _boundary_solve(sq_dist, cap, prices, boundary)
+            prices = dual_prices(sq_dist, labels, cap)
+            cost = _cost(sq_dist, labels)
+            bound = dual_bound(sq_dist, prices, cap)
+            if cost - bound <= tolerance * cost or solved >= n:
+                return CapacityAssignment(labels, cost, bound, solved)
+            boundary = 4 * solved
+    cost = _cost(sq_dist, labels)
+    return CapacityAssignment(labels, cost, cost, boundary)
+
+
+def _cost(sq_dist: np.ndarray, labels: np.ndarray) -> float:
+    return float(sq_dist[np.arange(len(labels)), labels].astype(np.float64).sum())
+
+
+def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25) -> np.ndarray:
+    """faiss k-means on all rows of x (n, d) float32 (the caller samples); returns (K, d)
+    float32 centroids."""
     import faiss
 
     n, d = x.shape
@@ -139,43 +318,133 @@ def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25, max_train_points: 
         seed=seed,
         verbose=False,
         min_points_per_centroid=1,
-        max_points_per_centroid=max(1, math.ceil(max_train_points / k)),
+        max_points_per_centroid=max(1, math.ceil(n / k)),
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
     return np.asarray(km.centroids, dtype=np.float32)
 
 
-def balanced_kmeans(
-    x: np.ndarray, k: int, alpha: float = 1.0, seed: int = 0, niter: int = 25
-) -> ClusterResult:
-    """K-means on L2-normalised rows of x, then the capacity step (docs/design.md, step 2).
+@dataclass(frozen=True)
+class StreamedClusters:
+    """Output of :func:`cluster_stream`.
+
+    Attributes:
+        result: the clustering of the N finite rows, in stream order.
+        sample_ids: (N,) String ids of those rows (null where the stream gave no ids).
+        quarantined: ids of the rows left out for NaN or inf values, in stream order.
+        kmeans_sample: (m, d) float32, the seeded rows the centroids were trained on
+            (m <= 65,536); kmeans_sample_ids their ids, kmeans_sample_labels (m,) int64 their
+            clusters after the capacity step (for plots).
+    """
+
+    result: ClusterResult
+    sample_ids: pl.Series
+    quarantined: pl.Series
+    kmeans_sample: np.ndarray
+    kmeans_sample_ids: pl.Series
+    kmeans_sample_labels: np.ndarray
+
+
+def cluster_stream(
+    batches: Batches,
+    n_rows: int,
+    k: int,
+    alpha: float = 1.0,
+    seed: int = 0,
+    niter: int = 25,
+    max_train_points: int = 65536,
+) -> StreamedClusters:
+    """Balanced k-means over a stream of L2-normalised embeddings (docs/design.md, step 2).
+
+    Pass 1 gathers a seeded sample of at most ``max_train_points`` rows (all rows when the
+    stream is no longer) and finds the non-finite rows; faiss k-means trains on the sample. Pass
+    2 (skipped when the sample is the whole stream) fills the (N, K) float32 distance matrix.
+    Then :func:`capacity_assignment`. Peak memory: the distance matrix, the sample and one
+    batch; never the (N, d) embeddings.
 
     Args:
-        x: (N, d) float32 L2-normalised embeddings; all finite.
+        batches: a fresh iterator of (ids or None, (b, d) float32) batches per call, the same
+            rows each time (e.g. :meth:`TableRef.vector_batches`).
+        n_rows: rows the stream yields (an upper bound is enough), for drawing the sample.
         k: number of clusters K (= data-parallel world size).
         alpha: capacity slack, >= 1.
-        seed: k-means seed; the result is deterministic for a given seed.
+        seed: seed of the sample, of k-means and of the capacity step's subsample; the result
+            is deterministic for a given seed and stream.
 
     Raises:
-        ValueError: N < K, K < 1, alpha < 1, or non-finite values in x.
+        ValueError: K < 1, alpha < 1, fewer finite rows than K, or batches of unequal width.
     """
-    n = x.shape[0]
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
+    rng = np.random.default_rng(seed)
+    whole = n_rows <= max_train_points
+    wanted = None if whole else np.sort(rng.choice(n_rows, size=max_train_points, replace=False))
+    sample_parts: list[np.ndarray] = []
+    sample_id_parts: list[pl.Series] = []
+    bad_ids: list[pl.Series] = []
+    total = None
+    n = seen = 0
+    for ids, x in batches():
+        finite = np.isfinite(x).all(axis=1)
+        if ids is not None and not finite.all():
+            bad_ids.append(ids.filter(pl.Series(~finite)))
+        if wanted is None:
+            take = finite
+        else:
+            lo, hi = np.searchsorted(wanted, [seen, seen + len(x)])
+            take = np.zeros(len(x), dtype=bool)
+            take[wanted[lo:hi] - seen] = True
+            take &= finite
+        sample_parts.append(x[take])
+        sample_id_parts.append(
+            ids.filter(pl.Series(take))
+            if ids is not None
+            else pl.Series([None] * int(take.sum()), dtype=pl.String)
+        )
+        if k == 1:
+            part = x[finite].sum(axis=0, dtype=np.float64)
+            total = part if total is None else total + part
+        n += int(finite.sum())
+        seen += len(x)
+    quarantined = pl.concat(bad_ids) if bad_ids else pl.Series("sample_id", [], dtype=pl.String)
     if n < k:
         raise ValueError(f"cannot make K={k} clusters from N={n} samples; lower K or add data")
-    if not np.isfinite(x).all():
-        raise ValueError("embeddings contain NaN or inf; quarantine those samples first")
+    widths = {part.shape[1] for part in sample_parts if len(part)}
+    if len(widths) > 1:
+        raise ValueError(f"embedding batches have different widths {sorted(widths)}")
+    sample = np.concatenate([p for p in sample_parts if len(p)]) if n else np.zeros((0, 0))
+    sample_ids = pl.concat(sample_id_parts)
     cap = capacity(n, k, alpha)
     if k == 1:
-        centroids = x.mean(axis=0, keepdims=True).astype(np.float32)
+        centroids = (total / n).astype(np.float32)[None, :]
     else:
-        centroids = kmeans(x, k, seed, niter)
-    dist = squared_distances(x, centroids)
+        centroids = kmeans(sample, k, seed, niter)
+    if whole:
+        dist, ids_all = squared_distances(sample, centroids), sample_ids
+    else:
+        dist = np.empty((n, k), dtype=np.float32)
+        id_parts: list[pl.Series] = []
+        row = 0
+        for ids, x in batches():
+            finite = np.isfinite(x).all(axis=1)
+            x = x if finite.all() else x[finite]
+            dist[row : row + len(x)] = squared_distances(x, centroids)
+            id_parts.append(
+                ids.filter(pl.Series(finite))
+                if ids is not None
+                else pl.Series([None] * len(x), dtype=pl.String)
+            )
+            row += len(x)
+        if row != n:
+            raise ValueError(
+                f"the stream gave {row} finite rows on its second pass, {n} on its first"
+            )
+        ids_all = pl.concat(id_parts)
     kmeans_labels = dist.argmin(axis=1).astype(np.int64)
-    labels = capacity_assignment(dist, cap)
+    assignment = capacity_assignment(dist, cap, seed=seed)
+    labels = assignment.labels
     rows = np.arange(n)
-    return ClusterResult(
+    result = ClusterResult(
         labels=labels,
         kmeans_labels=kmeans_labels,
         sq_distance=dist[rows, labels],
@@ -183,23 +452,71 @@ def balanced_kmeans(
         kmeans_sizes=np.bincount(kmeans_labels, minlength=k).astype(np.int64),
         sizes=np.bincount(labels, minlength=k).astype(np.int64),
         cap=cap,
-        kmeans_cost=float(dist[rows, kmeans_labels].sum()),
-        cost=float(dist[rows, labels].sum()),
+        kmeans_cost=float(dist[rows, kmeans_labels].astype(np.float64).sum()),
+        cost=assignment.cost,
+        lower_bound=assignment.lower_bound,
+        boundary_samples=assignment.boundary,
+    )
+    if whole:
+        sample_labels = labels
+    else:
+        # Rows are matched by id: the two passes need not yield batches in one order.
+        position = (
+            ids_all.to_frame("sample_id")
+            .with_row_index("i")
+            .join(sample_ids.to_frame("sample_id"), on="sample_id", how="right")["i"]
+        )
+        sample_labels = labels[position.fill_null(0).to_numpy()]
+    return StreamedClusters(
+        result=result,
+        sample_ids=ids_all.rename("sample_id"),
+        quarantined=quarantined.rename("sample_id"),
+        kmeans_sample=sample,
+        kmeans_sample_ids=sample_ids.rename("sample_id"),
+        kmeans_sample_labels=sample_labels,
     )
 
 
-def read_clusterable(
-    embeddings: TableRef, column: str = "embedding_normalised"
-) -> tuple[pl.DataFrame, np.ndarray, pl.DataFrame]:
-    """Split a ``proxy_embeddings`` table version into (rows to cluster: ``sample_id``, their
-    (N, d) float32 vectors from ``column``, rows quarantined for non-finite values). Skipped
-    samples are left out; vectors are read batch by batch."""
-    rows, matrix = embeddings.read_vectors(column, keep="skip_reason")
-    finite = np.asarray(np.isfinite(matrix).all(axis=1))
-    if finite.all():
-        return rows, matrix, rows.clear()
-    keep = pl.Series("finite", finite)
-    return rows.filter(keep), matrix[finite], rows.filter(~keep)
+def balanced_kmeans(
+    x: np.ndarray, k: int, alpha: float = 1.0, seed: int = 0, niter: int = 25
+) -> ClusterResult:
+    """:func:`cluster_stream` over an in-memory (N, d) float32 matrix of L2-normalised rows.
+
+    Raises:
+        ValueError: N < K, K < 1, alpha < 1, or non-finite values in x.
+    """
+    if not np.isfinite(x).all():
+        raise ValueError("embeddings contain NaN or inf; quarantine those samples first")
+    blocks = range(0, len(x), _BLOCK)
+    return cluster_stream(
+        lambda: ((None, x[lo : lo + _BLOCK]) for lo in blocks), len(x), k, alpha, seed, niter
+    ).result
+
+
+def cluster_table(
+    embeddings: TableRef,
+    column: str,
+    k: int,
+    alpha: float = 1.0,
+    seed: int = 0,
+    niter: int = 25,
+    batch_rows: int = 65536,
+) -> StreamedClusters:
+    """:func:`cluster_stream` over ``column`` of a ``proxy_embeddings`` table version, read
+    ``batch_rows`` at a time. Skipped samples (``skip_reason`` set) are left out; samples with
+    NaN or inf values are quarantined by id.
+
+    Raises:
+        ValueError: see :func:`cluster_stream`.
+    """
+    return cluster_stream(
+        lambda: embeddings.vector_batches(column, keep="skip_reason", batch_rows=batch_rows),
+        embeddings.row_count(),
+        k,
+        alpha,
+        seed,
+        niter,
+    )
 
 
 def check_capacity(

@@ -165,6 +165,36 @@ def paired_bootstrap(
     )
 
 
+class DiversitySums:
+    """Streaming :func:`gradient_diversity`: add (b, d) batches of gradients, each with a
+    count (times it is trained), then read ``value``; float64 sums, memory (d,)."""
+
+    def __init__(self) -> None:
+        self.sq_norms = 0.0
+        self.total: np.ndarray | None = None
+        self.count = 0
+
+    def add(self, vectors: np.ndarray, copies: np.ndarray | None = None) -> None:
+        g = np.asarray(vectors, dtype=np.float64)
+        c = np.ones(len(g)) if copies is None else np.asarray(copies, dtype=np.float64)
+        self.sq_norms += float(c @ np.einsum("ij,ij->i", g, g))
+        part = c @ g
+        self.total = part if self.total is None else self.total + part
+        self.count += int(c.sum())
+
+    @property
+    def value(self) -> float:
+        """Delta of everything added (see :func:`gradient_diversity`).
+
+        Raises:
+            ValueError: nothing was added.
+        """
+        if self.total is None or self.count == 0:
+            raise ValueError("gradient_diversity needs an (n, d) array with n >= 1")
+        total = float(np.square(self.total).sum())
+        return self.sq_norms / total if total > 0 else float("inf")
+
+
 def gradient_diversity(vectors: np.ndarray) -> float:
     """Gradient diversity of a set of per-sample gradients (Yin et al., 2018, "Gradient
     Diversity: a Key Ingredient for Scalable Distributed Learning", Def. 1; the measure CluSTER
@@ -179,8 +209,9 @@ def gradient_diversity(vectors: np.ndarray) -> float:
     Raises:
         ValueError: fewer than one vector.
     """
-    g = np.asarray(vectors, dtype=np.float64)
+    g = np.asarray(vectors)
     if g.ndim != 2 or len(g) == 0:
         raise ValueError("gradient_diversity needs an (n, d) array with n >= 1")
-    total = np.square(g.sum(axis=0)).sum()
-    return float(np.square(g).sum() / total) if total > 0 else float("inf")
+    sums = DiversitySums()
+    sums.add(g)
+    return sums.value

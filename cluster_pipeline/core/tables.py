@@ -7,6 +7,7 @@ and Delta time travel shows how a table changed between materializations.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,65 +26,108 @@ class TableRef:
     def read(self, columns: list[str] | None = None) -> pl.DataFrame:
         return pl.read_delta(self.uri, version=self.version, columns=columns)
 
-    def read_vectors(
+    def row_count(self) -> int:
+        """Rows in this version, from the Delta log's file statistics (nothing is scanned)."""
+        return DeltaTable(self.uri, version=self.version).to_pyarrow_dataset().count_rows()
+
+    def vector_batches(
         self, column: str, keep: str | None = None, batch_rows: int = 65536
-    ) -> tuple[pl.DataFrame, np.ndarray]:
-        """Read a List(Float32) column as an (N, d) float32 matrix, batch by batch.
+    ) -> Iterator[tuple[pl.Series, np.ndarray]]:
+        """Stream a List(Float32) column as (sample_id, (b, d) float32 matrix) batches of at most
+        ``batch_rows`` rows, in table order. Only one Arrow batch is in memory at a time.
 
-        Only the matrix and one Arrow batch are ever in memory, never the whole column as
-        Arrow lists as well. Rows where ``column`` is null, or where the String column ``keep``
-        is not null, are left out.
+        Rows where ``column`` is null, or where the String column ``keep`` is not null, are left
+        out (checked on each batch's validity bitmap: a scan filter on a list column costs more
+        than the read itself).
 
-        Returns:
-            (sample_id of the rows kept, in table order; the (N, d) float32 matrix).
+        Raises:
+            ValueError: the rows of one batch have unequal lengths (names the table).
         """
         import pyarrow.compute as pc
 
         dataset = DeltaTable(self.uri, version=self.version).to_pyarrow_dataset()
         columns = ["sample_id", column] + ([keep] if keep else [])
-        # pyarrow's stubs lack the generated compute functions.
-        ok = pc.is_valid(pc.field(column))  # pyright: ignore[reportAttributeAccessIssue]
-        if keep:
-            ok = ok & pc.is_null(pc.field(keep))  # pyright: ignore[reportAttributeAccessIssue]
-        n = dataset.count_rows(filter=ok)
-        ids: list[str] = []
-        matrix: np.ndarray | None = None
-        row = 0
-        for batch in dataset.to_batches(columns=columns, filter=ok, batch_size=batch_rows):
+        for batch in dataset.to_batches(columns=columns, batch_size=batch_rows):
+            ok = batch.column(column).is_valid()
+            if keep:
+                ok = pc.and_(ok, batch.column(keep).is_null())  # pyright: ignore[reportAttributeAccessIssue]
+            if not pc.all(ok).as_py():  # pyright: ignore[reportAttributeAccessIssue]
+                batch = batch.filter(ok)
             if batch.num_rows == 0:
                 continue
-            values = batch.column(column)
-            flat = values.flatten().to_numpy(zero_copy_only=False)
+            flat = batch.column(column).flatten().to_numpy(zero_copy_only=False)
             d = len(flat) // batch.num_rows
+            if d * batch.num_rows != len(flat):
+                raise ValueError(
+                    f"{self.uri} (version {self.version}): the rows of {column!r} have unequal "
+                    "lengths; re-materialize the table that wrote it"
+                )
+            ids = pl.Series("sample_id", batch.column("sample_id"), dtype=pl.String)
+            yield ids, flat.astype(np.float32, copy=False).reshape(batch.num_rows, d)
+
+    def vectors_for(
+        self, column: str, sample_ids: pl.Series, batch_rows: int = 65536
+    ) -> np.ndarray:
+        """The (m, d) float32 rows of ``column`` for ``sample_ids`` (m ids, unique), in that
+        order, gathered while streaming the table: memory is the result and one batch.
+
+        Raises:
+            KeyError: an id has no vector in this version (names how many and one of them).
+        """
+        wanted = pl.DataFrame({"sample_id": sample_ids}).with_row_index("to")
+        out: np.ndarray | None = None
+        got = np.zeros(len(sample_ids), dtype=bool)
+        for ids, x in self.vector_batches(column, batch_rows=batch_rows):
+            hit = ids.to_frame().with_row_index("at").join(wanted, on="sample_id")
+            if hit.height == 0:
+                continue
+            if out is None:
+                out = np.zeros((len(sample_ids), x.shape[1]), dtype=np.float32)
+            out[hit["to"].to_numpy()] = x[hit["at"].to_numpy()]
+            got[hit["to"].to_numpy()] = True
+        if not got.all():
+            raise KeyError(
+                f"{int((~got).sum())} sample ids (e.g. {sample_ids[int(np.argmin(got))]!r}) have "
+                f"no {column!r} in {self.uri} version {self.version}"
+            )
+        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+    def read_vectors(
+        self, column: str, keep: str | None = None, batch_rows: int = 65536
+    ) -> tuple[pl.DataFrame, np.ndarray]:
+        """Read a List(Float32) column as an (N, d) float32 matrix, batch by batch
+        (:meth:`vector_batches`: same rows left out).
+
+        Only the matrix and one Arrow batch are ever in memory, never the whole column as
+        Arrow lists as well.
+
+        Returns:
+            (sample_id of the rows kept, in table order; the (N, d) float32 matrix).
+        """
+        n = self.row_count()
+        ids: list[pl.Series] = []
+        matrix: np.ndarray | None = None
+        row = 0
+        for batch_ids, x in self.vector_batches(column, keep, batch_rows):
             if matrix is None:
-                matrix = np.empty((n, d), dtype=np.float32)
-            matrix[row : row + batch.num_rows] = flat.reshape(batch.num_rows, d)
-            ids.extend(batch.column("sample_id").to_pylist())
-            row += batch.num_rows
+                matrix = np.empty((n, x.shape[1]), dtype=np.float32)
+            matrix[row : row + len(x)] = x
+            ids.append(batch_ids)
+            row += len(x)
         if matrix is None:
             matrix = np.zeros((0, 0), dtype=np.float32)
-        return pl.DataFrame({"sample_id": ids}, schema={"sample_id": pl.String}), matrix
+        elif row < n:
+            matrix = matrix[:row].copy()
+        frame = pl.DataFrame(
+            {"sample_id": pl.concat(ids) if ids else pl.Series([], dtype=pl.String)}
+        )
+        return frame, matrix
 
 
 def mean_of(series: pl.Series) -> float:
     """Mean of the non-null values as a float (nan when there are none)."""
     value = series.cast(pl.Float64).mean()
     return float(value) if isinstance(value, int | float) else float("nan")
-
-
-def rows_for(ids: pl.DataFrame, matrix: np.ndarray, sample_ids: pl.Series) -> np.ndarray:
-    """The rows of ``matrix`` (one per row of ``ids``, as :meth:`TableRef.read_vectors`
-    returns) for ``sample_ids``, in that order.
-
-    Raises:
-        KeyError: a sample id is not in ``ids``.
-    """
-    position = ids.with_row_index("i").join(
-        pl.DataFrame({"sample_id": sample_ids}), on="sample_id", how="right"
-    )["i"]
-    if position.null_count():
-        raise KeyError(f"{position.null_count()} sample ids have no vector")
-    return matrix[position.to_numpy()]
 
 
 def write_table(frame: pl.DataFrame, uri: str | Path) -> TableRef:

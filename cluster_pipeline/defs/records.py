@@ -160,6 +160,10 @@ class BalancedClustersRecord(SelectionRecord):
     kmeans_cost: float
     capacity_cost: float
     capacity_cost_increase_pct: float
+    # How far above the optimum capacity_cost can be at most (LP dual bound; core/clustering),
+    # and how many samples the exact flow assigned.
+    capacity_optimality_gap: float = 0.0
+    capacity_boundary_samples: int = 0
     quarantined_count: int
     quarantined_non_finite: list[str]
 

@@ -3,12 +3,17 @@
 import itertools
 
 import numpy as np
+import polars as pl
 import pytest
 
 from cluster_pipeline.core.clustering import (
     balanced_kmeans,
     capacity,
     capacity_assignment,
+    capacity_assignment_flow,
+    cluster_stream,
+    dual_bound,
+    dual_prices,
     squared_distances,
 )
 from cluster_pipeline.core.embedding import l2_normalise
@@ -26,8 +31,22 @@ def test_capacity_assignment_hand_checked():
     # Three samples nearest cluster 0, cap 2: the one that loses least by moving (sample 2,
     # cost 0.2 -> 0.3) goes to cluster 1. Optimum: 0.0 + 0.1 + 0.3 + 0.5 = 0.9.
     d = np.array([[0.0, 1.0], [0.1, 0.9], [0.2, 0.3], [0.9, 0.5]], dtype=np.float32)
-    labels = capacity_assignment(d, cap=2)
-    assert labels.tolist() == [0, 0, 1, 1]
+    result = capacity_assignment(d, cap=2)
+    assert result.labels.tolist() == [0, 0, 1, 1]
+    assert result.cost == pytest.approx(0.9) and result.lower_bound == pytest.approx(0.9)
+
+
+def test_dual_prices_and_bound_hand_checked():
+    # Optimal labels [0, 0, 1, 1], both clusters full. Arc 1 -> 0 costs min(0.2 - 0.3,
+    # 0.9 - 0.5) = -0.1, arc 0 -> 1 costs min(1.0 - 0.0, 0.9 - 0.1) = 0.8; rooted at cluster 0
+    # and shifted to >= 0: p = [0.1, 0]. D(p) = (0.1 + 0.2 + 0.3 + 0.5) - 2 * 0.1 = 0.9 (optimum).
+    d = np.array([[0.0, 1.0], [0.1, 0.9], [0.2, 0.3], [0.9, 0.5]], dtype=np.float32)
+    p = dual_prices(d, np.array([0, 0, 1, 1]), cap=2)
+    np.testing.assert_allclose(p, [0.1, 0.0], atol=1e-7)
+    assert dual_bound(d, p, cap=2) == pytest.approx(0.9, abs=1e-6)
+    # A worse assignment ([0, 1, 0, 1], cost 1.4) still gets a valid bound: never above 0.9.
+    worse = dual_prices(d, np.array([0, 1, 0, 1]), cap=2)
+    assert (worse >= 0).all() and dual_bound(d, worse, cap=2) <= 0.9 + 1e-6
 
 
 def test_capacity_assignment_matches_brute_force():
@@ -39,13 +58,69 @@ def test_capacity_assignment_matches_brute_force():
         for assign in itertools.product(range(3), repeat=7)
         if max(np.bincount(assign, minlength=3)) <= cap
     )
-    labels = capacity_assignment(d, cap)
+    labels = capacity_assignment(d, cap).labels
     assert float(d[np.arange(7), labels].sum()) == pytest.approx(best[0], abs=1e-5)
+    assert capacity_assignment_flow(d, cap).tolist() == labels.tolist()
 
 
 def test_capacity_assignment_refuses_too_small_caps():
     with pytest.raises(ValueError, match="cannot hold"):
         capacity_assignment(np.zeros((5, 2), np.float32), cap=2)
+
+
+def _unequal_costs(n, k, seed, distinct=None):
+    """(n, k) float32 squared distances of n unit vectors to k centroids, most samples near
+    the first centroids (so the caps bind); with ``distinct``, only that many distinct rows."""
+    rng = np.random.default_rng(seed)
+    centroids = l2_normalise(rng.normal(size=(k, 16)).astype(np.float32))
+    m = distinct or n
+    x = l2_normalise(
+        (centroids[rng.integers(0, max(1, k // 2), m)] + rng.normal(size=(m, 16))).astype(
+            np.float32
+        )
+    )
+    if distinct:
+        x = x[rng.integers(0, distinct, n)]
+    return squared_distances(x, centroids)
+
+
+@pytest.mark.parametrize(("n", "k", "distinct"), [(120_000, 4, None), (80_000, 3, 5)])
+def test_the_certified_boundary_assignment_equals_the_full_flow_optimum(n, k, distinct):
+    # Beyond 50,000 samples only the boundary goes through the flow; ties (5 distinct rows
+    # repeated 16,000 times each) are all on the boundary.
+    d = _unequal_costs(n, k, seed=3, distinct=distinct)
+    cap = capacity(n, k, 1.0)
+    result = capacity_assignment(d, cap)
+    sizes = np.bincount(result.labels, minlength=k)
+    assert sizes.sum() == n and sizes.max() <= cap
+    assert np.bincount(d.argmin(axis=1), minlength=k).max() > cap  # the caps bind
+    assert result.boundary < n
+    full = capacity_assignment_flow(d, cap)
+    optimum = float(d[np.arange(n), full].astype(np.float64).sum())
+    cost = float(d[np.arange(n), result.labels].astype(np.float64).sum())
+    assert cost == pytest.approx(result.cost, rel=1e-12)
+    assert abs(cost - optimum) <= 1e-6 * optimum
+    assert result.lower_bound <= cost and (cost - result.lower_bound) <= 1e-8 * cost
+
+
+def test_a_two_pass_stream_clusters_like_the_matrix_it_streams():
+    # 3,000 rows, a 500-row k-means sample: the stream is read twice, in batches of 700, ids
+    # kept; the same rows fed as one in-memory block give the same clusters.
+    x = _blobs([1500, 900, 600])
+    ids = pl.Series("sample_id", [f"s{i}" for i in range(len(x))])
+
+    def batches(size):
+        return lambda: ((ids[lo : lo + size], x[lo : lo + size]) for lo in range(0, len(x), size))
+
+    a = cluster_stream(batches(700), len(x), 3, seed=2, max_train_points=500)
+    b = cluster_stream(batches(3000), len(x), 3, seed=2, max_train_points=500)
+    assert a.kmeans_sample.shape == (500, x.shape[1]) and a.sample_ids.to_list() == ids.to_list()
+    np.testing.assert_array_equal(a.result.labels, b.result.labels)
+    np.testing.assert_array_equal(a.result.centroids, b.result.centroids)
+    rows = [int(s[1:]) for s in a.kmeans_sample_ids.to_list()]
+    np.testing.assert_array_equal(a.kmeans_sample, x[rows])
+    np.testing.assert_array_equal(a.kmeans_sample_labels, a.result.labels[rows])
+    assert a.result.sizes.max() <= a.result.cap == 1000 and a.result.sizes.sum() == 3000
 
 
 def _blobs(sizes, d=8, seed=0):

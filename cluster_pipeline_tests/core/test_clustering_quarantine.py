@@ -3,7 +3,7 @@
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.core.clustering import balanced_kmeans, read_clusterable
+from cluster_pipeline.core.clustering import cluster_table
 from cluster_pipeline.core.embedding import l2_normalise
 from cluster_pipeline.core.tables import vectors_to_series, write_table
 
@@ -33,10 +33,9 @@ def test_nan_and_inf_rows_are_quarantined(tmp_path):
         ).with_columns(vectors_to_series("embedding_normalised", dirty_x.astype(np.float32))),
         tmp_path / "dirty",
     )
-    rows_c, xc, q_c = read_clusterable(clean)
-    rows_d, xd, q_d = read_clusterable(dirty)
-    assert q_c.height == 0 and q_d["sample_id"].to_list() == ["bad_nan", "bad_inf"]
-    assert rows_d["sample_id"].to_list() == rows_c["sample_id"].to_list() == ids
-    a, b = balanced_kmeans(xc, 2, seed=1), balanced_kmeans(xd, 2, seed=1)
-    assert (a.labels == b.labels).all()
-    np.testing.assert_array_equal(a.sq_distance, b.sq_distance)
+    c = cluster_table(clean, "embedding_normalised", 2, seed=1)
+    d = cluster_table(dirty, "embedding_normalised", 2, seed=1)
+    assert c.quarantined.len() == 0 and d.quarantined.to_list() == ["bad_nan", "bad_inf"]
+    assert d.sample_ids.to_list() == c.sample_ids.to_list() == ids
+    assert (c.result.labels == d.result.labels).all()
+    np.testing.assert_array_equal(c.result.sq_distance, d.result.sq_distance)

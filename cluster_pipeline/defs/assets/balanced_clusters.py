@@ -9,7 +9,7 @@ import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core import plots
-from cluster_pipeline.core.clustering import balanced_kmeans, check_capacity, read_clusterable
+from cluster_pipeline.core.clustering import check_capacity, cluster_table
 from cluster_pipeline.core.tables import vectors_to_series, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
@@ -64,12 +64,14 @@ def balanced_clusters(
     start = time.perf_counter()
     embeddings = read_record(context, ProxyEmbeddingsRecord)
     column = f"{REPRESENTATIONS[config.representation]}_normalised"
-    rows, x, quarantined = read_clusterable(embeddings.table, column)
     try:
-        result = balanced_kmeans(x, config.num_clusters, config.alpha, config.seed, config.niter)
+        streamed = cluster_table(
+            embeddings.table, column, config.num_clusters, config.alpha, config.seed, config.niter
+        )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
-    frame = rows.with_columns(
+    result, quarantined = streamed.result, streamed.quarantined
+    frame = streamed.sample_ids.to_frame().with_columns(
         pl.Series("cluster", result.labels),
         pl.Series("kmeans_cluster", result.kmeans_labels),
         pl.Series("sq_distance", result.sq_distance),
@@ -85,10 +87,15 @@ def balanced_clusters(
     context.log.info(
         f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "
         f"{result.kmeans_sizes.tolist()}), cap {result.cap}, "
-        f"cost +{100 * result.cost_increase:.2f}%"
+        f"cost +{100 * result.cost_increase:.2f}% (optimal within "
+        f"{100 * result.optimality_gap:.1e}%; {result.boundary_samples} samples by flow)"
     )
     passed, description = check_capacity(
-        frame["sample_id"], frame["cluster"].to_numpy(), config.num_clusters, len(x), result.cap
+        frame["sample_id"],
+        frame["cluster"].to_numpy(),
+        config.num_clusters,
+        frame.height,
+        result.cap,
     )
     record = BalancedClustersRecord(
         table=table,
@@ -104,11 +111,13 @@ def balanced_clusters(
         kmeans_cost=round(result.kmeans_cost, 4),
         capacity_cost=round(result.cost, 4),
         capacity_cost_increase_pct=round(100 * result.cost_increase, 3),
-        quarantined_count=quarantined.height,
-        quarantined_non_finite=quarantined["sample_id"].to_list()[:100],
+        capacity_optimality_gap=float(f"{result.optimality_gap:.3g}"),
+        capacity_boundary_samples=result.boundary_samples,
+        quarantined_count=quarantined.len(),
+        quarantined_non_finite=quarantined.to_list()[:100],
     )
     sizes_png = plots.cluster_sizes(result.kmeans_sizes, result.sizes, result.cap)
-    map_png = plots.pca_map(x, result.labels)
+    map_png = plots.pca_map(streamed.kmeans_sample, streamed.kmeans_sample_labels)
     return dg.MaterializeResult(
         check_results=[
             dg.AssetCheckResult(

@@ -3,15 +3,14 @@
 import time
 
 import dagster as dg
-import numpy as np
 import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.embedding import l2_normalise
 from cluster_pipeline.core.selection import Selector, per_cluster_summary, select
-from cluster_pipeline.core.statistics import gradient_diversity
-from cluster_pipeline.core.tables import markdown_preview, rows_for, write_table
+from cluster_pipeline.core.statistics import DiversitySums
+from cluster_pipeline.core.tables import markdown_preview, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -75,21 +74,25 @@ def peripheral_subsets(
     )
     table = write_table(frame, storage.layout.table_uri("peripheral_subsets", dataset))
     seconds = time.perf_counter() - start
-    # The embeddings that were clustered: gradient diversity of the subset as trained, and the
-    # PCA map in the representation the clusters were built on.
+    # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
+    # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.
     embeddings = clusters.inputs["proxy_embeddings"]
-    ids, gradients = embeddings.read_vectors("embedding", keep="skip_reason")
-    gradients = rows_for(ids, gradients, frame["sample_id"])
-    trained = np.repeat(np.arange(frame.height), result.copies)
-    diversity = gradient_diversity(gradients[trained])
-    pool_diversity = gradient_diversity(gradients)
+    copies = frame.select("sample_id", "copies")
+    subset, pool = DiversitySums(), DiversitySums()
+    for ids, gradients in embeddings.vector_batches("embedding", keep="skip_reason"):
+        counts = ids.to_frame().join(copies, on="sample_id", how="left", maintain_order="left")
+        clustered = counts["copies"].is_not_null().to_numpy()
+        subset.add(gradients[clustered], counts["copies"].to_numpy()[clustered])
+        pool.add(gradients[clustered])
+    diversity, pool_diversity = subset.value, pool.value
+    shown = frame.with_row_index("row").sample(min(frame.height, 20000), seed=0)
     if clusters.representation == "gradient_proxy":
-        mapped = l2_normalise(gradients)
+        mapped = l2_normalise(embeddings.vectors_for("embedding", shown["sample_id"]))
     else:
-        ids, mapped = embeddings.read_vectors(
-            f"{REPRESENTATIONS[clusters.representation]}_normalised", keep="skip_reason"
+        mapped = embeddings.vectors_for(
+            f"{REPRESENTATIONS[clusters.representation]}_normalised", shown["sample_id"]
         )
-        mapped = rows_for(ids, mapped, frame["sample_id"])
+    rows = shown["row"].to_numpy()
     context.log.info(
         f"{config.selector} r={config.ratio}: {result.n_selected} of {frame.height} samples "
         f"({100 * result.data_fraction:.1f}%), gradient diversity {diversity:.4f} "
@@ -111,7 +114,7 @@ def peripheral_subsets(
         gradient_diversity=round(diversity, 6),
         pool_gradient_diversity=round(pool_diversity, 6),
     )
-    map_png = plots.pca_map(mapped, frame["cluster"].to_numpy(), result.selected)
+    map_png = plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], result.selected[rows])
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
