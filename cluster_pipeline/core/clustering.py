@@ -385,7 +385,7 @@ def cluster_stream(
     total = None
     n = seen = 0
     for ids, x in batches():
-        finite = np.isfinite(x).all(axis=1)
+        finite = _finite_rows(x)
         if ids is not None and not finite.all():
             bad_ids.append(ids.filter(pl.Series(~finite)))
         if wanted is None:
@@ -415,7 +415,7 @@ def cluster_stream(
     sample = np.concatenate([p for p in sample_parts if len(p)]) if n else np.zeros((0, 0))
     sample_ids = pl.concat(sample_id_parts)
     cap = capacity(n, k, alpha)
-    if k == 1:
+    if total is not None:  # K = 1: the centroid is the mean
         centroids = (total / n).astype(np.float32)[None, :]
     else:
         centroids = kmeans(sample, k, seed, niter)
@@ -426,7 +426,7 @@ def cluster_stream(
         id_parts: list[pl.Series] = []
         row = 0
         for ids, x in batches():
-            finite = np.isfinite(x).all(axis=1)
+            finite = _finite_rows(x)
             x = x if finite.all() else x[finite]
             dist[row : row + len(x)] = squared_distances(x, centroids)
             id_parts.append(
@@ -475,6 +475,11 @@ def cluster_stream(
         kmeans_sample_ids=sample_ids.rename("sample_id"),
         kmeans_sample_labels=sample_labels,
     )
+
+
+def _finite_rows(x: np.ndarray) -> np.ndarray:
+    """(b,) bool: rows of x without NaN or inf."""
+    return np.asarray(np.isfinite(x).all(axis=1), dtype=bool)
 
 
 def balanced_kmeans(
