@@ -235,16 +235,17 @@ class TorchrunResource(dg.ConfigurableResource):
             )
             finished = False
             try:
-                final = slurm.wait(
-                    job_id,
-                    job_dir,
-                    poll_s=self.slurm_poll_seconds,
-                    on_change=lambda s: context.log.info(
-                        f"Slurm job {job_id}: {s.state}"
-                        + (f" on {s.nodes}" if s.nodes else "")
-                        + (f" ({s.reason})" if s.reason else "")
-                    ),
-                )
+                with slurm.cancelled_with_parent(job_id, job_dir):
+                    final = slurm.wait(
+                        job_id,
+                        job_dir,
+                        poll_s=self.slurm_poll_seconds,
+                        on_change=lambda s: context.log.info(
+                            f"Slurm job {job_id}: {s.state}"
+                            + (f" on {s.nodes}" if s.nodes else "")
+                            + (f" ({s.reason})" if s.reason else "")
+                        ),
+                    )
                 finished = True
             except slurm.SlurmError as e:
                 raise dg.Failure(f"{where}{module}: {e}") from e

@@ -25,20 +25,28 @@ script, Ray and Spark, not a multi-node torchrun; the rendezvous and per-rank fa
 below would still be ours. Here the Dagster step runs where ``sbatch`` works and shares a
 filesystem with the nodes, so a thin launcher on Slurm's own commands is enough and offline.
 
+A Dagster step that is killed outright (SIGKILL, or SIGTERM sent to the step process itself)
+runs no ``finally``; :func:`cancelled_with_parent` leaves a small guard process behind it that
+``scancel``s the job when the step dies (``python -m cluster_pipeline.training.slurm guard``).
+
 Nothing here imports Dagster; the Dagster side (Pipes session, Failure) is
 :meth:`cluster_pipeline.defs.resources.TorchrunResource.run`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster_pipeline.training.fate import LAUNCHER_PID_ENV, die_with_parent
 from cluster_pipeline.training.torchrun import (
     failure_summary,
     ranked_failures,
@@ -356,3 +364,40 @@ def failure_summary_or_state(failures: dict[str, str], state: JobState) -> str:
         or STATE_CAUSES.get(state.state)
         or (f"Slurm says: {state.reason}" if state.reason else "no rank left an error")
     )
+
+
+@contextlib.contextmanager
+def cancelled_with_parent(job_id: str, job_dir: Path) -> Iterator[None]:
+    """While the block runs, a guard process cancels the job if this process dies without
+    leaving the block (killed by a signal no ``finally`` sees). Leaving the block, normally or by
+    an exception, stops the guard without cancelling: the caller decides."""
+    guard = subprocess.Popen(
+        [sys.executable, "-m", __name__, "guard", job_id, str(job_dir), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C or the run's process group spares it
+    )
+    try:
+        yield
+    finally:
+        guard.kill()
+        guard.wait()
+
+
+def _guard(job_id: str, job_dir: Path, parent: int) -> None:
+    """Wait for the parent's death (PR_SET_PDEATHSIG: SIGTERM), then cancel the job."""
+
+    def cancel_and_exit(signum, frame) -> None:
+        cancel(job_id, job_dir)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, cancel_and_exit)
+    os.environ.pop(LAUNCHER_PID_ENV, None)  # the parent is checked here, not in die_with_parent
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # died before the signal was armed
+        cancel_and_exit(signal.SIGTERM, None)
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:
+    _guard(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))

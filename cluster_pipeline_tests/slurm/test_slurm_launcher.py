@@ -39,6 +39,45 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def _sleeping_run(tmp_path: Path) -> subprocess.Popen:
+    """``dagster asset materialize`` of the sleeping entry point (multiprocess executor, own
+    DAGSTER_HOME), returned once both ranks sleep under their agents: the job is under way."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"ops": {"slurm_entry": {"config": {"behaviour": "sleep", "job_dir": str(tmp_path)}}}}
+        )
+    )
+    dagster = str(Path(sys.executable).parent / "dagster")
+    command = [dagster, "asset", "materialize", "-m", "cluster_pipeline_tests.slurm.defs"]
+    run = subprocess.Popen(
+        [*command, "--select", "slurm_entry", "-c", str(config)],
+        cwd=ROOT,
+        env={**os.environ, "DAGSTER_HOME": str(home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while len([c for c in _processes_mentioning(str(tmp_path)) if ENTRY in c]) < 4:
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            raise AssertionError(
+                f"the Slurm job's ranks did not start:\n{run.communicate()[0][-3000:]}"
+            )
+        time.sleep(0.5)
+    return run
+
+
 def test_failed_rank_is_named_with_job_state_and_node(local_slurm, tmp_path):
     result = dg.materialize(
         [slurm_entry],
@@ -112,31 +151,8 @@ def test_embedding_pass_over_two_slurm_agents_equals_standalone(
 def test_terminating_the_run_cancels_the_job_and_leaves_no_process(local_slurm, tmp_path):
     """SIGTERM to ``dagster asset materialize`` (as a terminal's kill or a run launcher's
     termination does): the multiprocess executor interrupts the step, which scancels its job."""
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {"ops": {"slurm_entry": {"config": {"behaviour": "sleep", "job_dir": str(tmp_path)}}}}
-        )
-    )
-    dagster = str(Path(sys.executable).parent / "dagster")
-    command = [dagster, "asset", "materialize", "-m", "cluster_pipeline_tests.slurm.defs"]
-    run = subprocess.Popen(
-        [*command, "--select", "slurm_entry", "-c", str(config)],
-        cwd=ROOT,
-        env={**os.environ, "DAGSTER_HOME": str(home)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    run = _sleeping_run(tmp_path)
     try:
-        # Both ranks sleeping under their agents: the job is well under way.
-        deadline = time.monotonic() + 120
-        while len([c for c in _processes_mentioning(str(tmp_path)) if ENTRY in c]) < 4:
-            assert run.poll() is None, run.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "the Slurm job's ranks did not start"
-            time.sleep(0.5)
         assert len(local_slurm.jobs()) == 2  # one running job: id and state
         run.send_signal(signal.SIGTERM)
         out = run.communicate(timeout=120)[0]
@@ -149,4 +165,28 @@ def test_terminating_the_run_cancels_the_job_and_leaves_no_process(local_slurm, 
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_step_process_killed_outright_still_cancels_its_job(local_slurm, tmp_path):
+    """SIGKILL to the step process (no ``finally`` runs): its guard process scancels the job."""
+    run = _sleeping_run(tmp_path)
+    try:
+        guard = next(
+            p
+            for p in psutil.process_iter()
+            if any("cluster_pipeline.training.slurm" in c for c in _cmdline(p))
+            and any(str(tmp_path) in c for c in _cmdline(p))
+        )
+        psutil.Process(guard.ppid()).kill()  # the step process
+        run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    deadline = time.monotonic() + 60
+    while (local_slurm.jobs() or _processes_mentioning(str(tmp_path))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert local_slurm.jobs() == []
     assert _processes_mentioning(str(tmp_path)) == []
