@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 BWRAP := /usr/bin/bwrap
+SLURMCTLD := /usr/sbin/slurmctld
 # The project's Dagster instance settings (run queue per partition, run monitoring), copied into
 # $(DAGSTER_HOME) unless a non-empty dagster.yaml is already there.
 INSTANCE = mkdir -p $(DAGSTER_HOME) && { [ -s $(DAGSTER_HOME)/dagster.yaml ] || \
@@ -16,7 +17,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
 .PHONY: setup run test test-fast quality format lock dev validate compare
 
-setup: $(VENV)/.installed $(BWRAP)
+setup: $(VENV)/.installed $(BWRAP) $(SLURMCTLD)
 
 # The sandbox generated code runs in (core/sandbox.py) is bubblewrap, a Debian package.
 $(BWRAP):
@@ -24,6 +25,14 @@ $(BWRAP):
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
+
+# A one-node Slurm cluster for the launcher: slurm tests (cluster_pipeline_tests/slurm/): Debian's
+# slurm-wlm and munge.
+$(SLURMCTLD):
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; }
 
 # Every dependency at the exact version and hash the tests passed with (requirements.lock, made
 # by `make lock`), then the project itself. torch is pinned to 2.13.0: on the project's machines

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError
@@ -11,6 +12,7 @@ from pydantic import Field
 
 from cluster_pipeline.core.layout import DataLayout, default_data_dir
 from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
+from cluster_pipeline.training import slurm
 from cluster_pipeline.training.torchrun import (
     failure_summary,
     rank_failures,
@@ -54,15 +56,59 @@ class BaseModelResource(dg.ConfigurableResource):
 
 
 class TorchrunResource(dg.ConfigurableResource):
-    """How ``torchrun`` is launched: one machine (``--standalone``) or a multi-node rendezvous."""
+    """How ``torchrun`` is launched: on this machine (``--standalone``), as one node of a
+    multi-node rendezvous started by hand on every node, or as a Slurm batch job that starts one
+    torchrun agent per node (:mod:`cluster_pipeline.training.slurm`)."""
 
-    nnodes: int = Field(default=1, description="Number of machines.")
-    node_rank: int = Field(default=0, description="This machine's rank among nnodes.")
+    launcher: Literal["standalone", "rendezvous", "slurm"] = Field(
+        default="standalone",
+        description="'standalone': this machine (a rendezvous if rdzv_endpoint is set, as "
+        "before this field existed); 'rendezvous': this machine as node node_rank of nnodes "
+        "joining rdzv_endpoint; 'slurm': sbatch a job over nnodes nodes (slurm_* fields), c10d "
+        "rendezvous on its first node. Slurm needs the Python environment, the code, the data "
+        "folder and slurm_job_dir on a filesystem every node shares.",
+    )
+    nnodes: int = Field(default=1, ge=1, description="Number of machines (Slurm: sbatch --nodes).")
+    node_rank: int = Field(
+        default=0, description="This machine's rank among nnodes (not used under Slurm)."
+    )
     rdzv_endpoint: str = Field(
         default="",
-        description="host:port of the c10d rendezvous for multi-node runs; empty = --standalone.",
+        description="host:port of the c10d rendezvous for multi-node runs; empty = --standalone. "
+        "Not used under Slurm (the job's first node hosts it).",
     )
     rdzv_id: str = Field(default="cluster_pipeline", description="Rendezvous job id.")
+    slurm_partition: str = Field(default="", description="sbatch --partition; empty = default.")
+    slurm_time_limit: str = Field(
+        default="",
+        description="sbatch --time, [D-]HH:MM:SS; empty = the partition's default limit.",
+    )
+    slurm_sbatch_args: list[str] = Field(
+        default_factory=list,
+        description="More sbatch arguments as they are, e.g. ['--gres=gpu:8', '--account=ml'].",
+    )
+    slurm_job_dir: str = Field(
+        default="",
+        description="Shared folder for the batch script, Slurm output, Pipes files and per-rank "
+        "logs (a sub-folder per job); empty = next to the job file, in the data folder.",
+    )
+    slurm_agents_per_node: int = Field(
+        default=1,
+        ge=1,
+        description="torchrun agents per Slurm node (torchrun nnodes = nnodes x this). 1 on a "
+        "real cluster; more lets a one-node cluster run a multi-node rendezvous (tests).",
+    )
+    slurm_rdzv_port: int = Field(
+        default=0, description="Rendezvous port on the first node; 0 = derived from the job id."
+    )
+    slurm_poll_seconds: float = Field(
+        default=5.0, gt=0, description="Seconds between looks at the job's state (squeue)."
+    )
+
+    @property
+    def agents(self) -> int:
+        """torchrun's nnodes: the number of torchrun agents the ranks are split over."""
+        return self.nnodes * self.slurm_agents_per_node if self.launcher == "slurm" else self.nnodes
 
     def command(
         self,
@@ -98,14 +144,20 @@ class TorchrunResource(dg.ConfigurableResource):
     ) -> dg.PipesClientCompletedInvocation:
         """Run ``torchrun ... -m module --config job_file``; rank 0 reports through Pipes.
 
-        Every rank's output is teed to ``<job_file>.logs/``. ``local``: on this machine only
-        (see :meth:`command`).
+        Every rank's output is teed to ``<job_file>.logs/`` (Slurm: the job folder's ``logs/``).
+        ``local``: on this machine only (see :meth:`command`), whatever the launcher.
+        ``nproc_per_node``: ranks per torchrun agent (per node).
 
         Raises:
             dagster.Failure: the launch failed; it names the dataset (partition) and the rank that
                 failed first and carries
-                each failed rank's error and log tail as metadata.
+                each failed rank's error and log tail as metadata; under Slurm also the job id,
+                its state and the node of the failed rank.
         """
+        if self.launcher == "slurm" and not local:
+            return self._run_slurm(context, module, nproc_per_node, job_file)
+        if self.launcher == "rendezvous" and not self.rdzv_endpoint:
+            raise dg.Failure("launcher: rendezvous needs rdzv_endpoint (host:port of node 0)")
         log_dir = Path(f"{job_file}.logs")
         shutil.rmtree(log_dir, ignore_errors=True)  # an earlier launch's logs would be misread
         log_dir.mkdir(parents=True)
@@ -133,3 +185,93 @@ class TorchrunResource(dg.ConfigurableResource):
                     "log_dir": dg.MetadataValue.path(str(log_dir)),
                 },
             ) from e
+
+    def _run_slurm(
+        self,
+        context: dg.AssetExecutionContext,
+        module: str,
+        nproc_per_node: int,
+        job_file: Path,
+    ) -> dg.PipesClientCompletedInvocation:
+        """:meth:`run` as a Slurm batch job; Pipes' context and messages pass through files in
+        the shared job folder. The job is cancelled if the step is interrupted (run
+        termination) or fails while waiting."""
+        job_dir = (
+            Path(self.slurm_job_dir) / f"{job_file.stem}-{context.run.run_id[:8]}"
+            if self.slurm_job_dir
+            else Path(f"{job_file}.slurm")
+        )
+        shutil.rmtree(job_dir, ignore_errors=True)  # an earlier job's logs would be misread
+        log_dir = job_dir / "logs"
+        log_dir.mkdir(parents=True)
+        spec = slurm.SlurmSpec(
+            nodes=self.nnodes,
+            agents_per_node=self.slurm_agents_per_node,
+            partition=self.slurm_partition,
+            time_limit=self.slurm_time_limit,
+            sbatch_args=tuple(self.slurm_sbatch_args),
+            rdzv_port=self.slurm_rdzv_port,
+            job_name=module.rsplit(".", 1)[-1],
+        )
+        script = slurm.write_scripts(
+            spec, job_dir, module, nproc_per_node, ["--config", str(job_file.resolve())], log_dir
+        )
+        where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=dg.PipesFileContextInjector(str(job_dir / "pipes_context.json")),
+            message_reader=dg.PipesFileMessageReader(
+                str(job_dir / "pipes_messages.jsonl"), cleanup_file=False
+            ),
+        ) as session:
+            env = {**os.environ, **session.get_bootstrap_env_vars()}
+            try:
+                job_id = slurm.submit(spec, script, job_dir, env)
+            except slurm.SlurmError as e:
+                raise dg.Failure(f"{where}{module}: {e}") from e
+            context.log.info(
+                f"submitted Slurm job {job_id}: {spec.agents} torchrun agents on {spec.nodes} "
+                f"node(s) x {nproc_per_node} ranks; job folder {job_dir}"
+            )
+            finished = False
+            try:
+                with slurm.cancelled_with_parent(job_id, job_dir):
+                    final = slurm.wait(
+                        job_id,
+                        job_dir,
+                        poll_s=self.slurm_poll_seconds,
+                        on_change=lambda s: context.log.info(
+                            f"Slurm job {job_id}: {s.state}"
+                            + (f" on {s.nodes}" if s.nodes else "")
+                            + (f" ({s.reason})" if s.reason else "")
+                        ),
+                    )
+                finished = True
+            except slurm.SlurmError as e:
+                raise dg.Failure(f"{where}{module}: {e}") from e
+            finally:
+                if not finished:
+                    # Run termination arrives here as an interrupt: the job must not outlive it.
+                    context.log.info(f"cancelling Slurm job {job_id} (scancel)")
+                    slurm.cancel(job_id, job_dir)
+        if final.failed:
+            failures = slurm.agent_failures(log_dir)
+            cause = slurm.failure_summary_or_state(failures, final)
+            raise dg.Failure(
+                description=f"{where}{module}: Slurm job {job_id} {final.state}"
+                f"{f' on {final.nodes}' if final.nodes else ''}: {cause}. "
+                f"Per-rank logs: {log_dir}",
+                metadata={
+                    **{
+                        name: dg.MetadataValue.md(f"```\n{text}\n```")
+                        for name, text in failures.items()
+                    },
+                    "slurm_job_id": job_id,
+                    "slurm_state": final.state,
+                    "slurm_output": dg.MetadataValue.md(
+                        f"```\n{slurm.output_tail(job_dir, job_id)}\n```"
+                    ),
+                    "log_dir": dg.MetadataValue.path(str(log_dir)),
+                },
+            )
+        return dg.PipesClientCompletedInvocation(session, metadata={"slurm_job_id": job_id})

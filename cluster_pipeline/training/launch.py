@@ -35,8 +35,9 @@ def main() -> None:
 
 
 def _write_exits(error, argv: list[str]) -> None:
-    """Record each failed rank's exit code and signal under ``--log-dir`` (``rank_exits.json``),
-    so a rank killed by a signal, which writes no error file, can still be named."""
+    """Record each failed rank's global rank, exit code and signal under ``--log-dir``
+    (``rank_exits.json``, keyed by local rank), so a rank killed by a signal, which writes no
+    error file, can still be named, and a rank of a multi-agent launch by its global rank."""
     log_dir = next(
         (a.split("=", 1)[1] for a in argv if a.startswith(("--log-dir=", "--log_dir="))), None
     )
@@ -44,11 +45,12 @@ def _write_exits(error, argv: list[str]) -> None:
         return
     exits = {
         str(f.local_rank): {
+            "rank": rank,
             "exitcode": f.exitcode,
             "signal": f.signal_name() if f.exitcode < 0 else None,
             "timestamp": f.timestamp,
         }
-        for f in error.failures.values()
+        for rank, f in error.failures.items()
     }
     (Path(log_dir) / RANK_EXITS).write_text(json.dumps(exits))
 

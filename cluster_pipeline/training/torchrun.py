@@ -38,15 +38,16 @@ def torchrun_command(
     args: list[str],
     *,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | str = 0,
     rdzv_endpoint: str = "",
     rdzv_id: str = "cluster_pipeline",
-    log_dir: Path | None = None,
+    log_dir: Path | str | None = None,
 ) -> list[str]:
     """The command running ``python -m module args`` on every rank under torchrun.
 
     With ``log_dir``, every rank's stdout/stderr is also written (``--tee``) under it, so a
-    failed rank's log can be shown (:func:`rank_failures`).
+    failed rank's log can be shown (:func:`rank_failures`). ``node_rank``, ``rdzv_endpoint`` and
+    ``log_dir`` may be shell expressions (``$SLURM_PROCID``) for a script to fill in.
 
     Raises:
         ValueError: ``nproc_per_node`` < 1, or ``nnodes`` > 1 without a rendezvous endpoint.
@@ -81,6 +82,22 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
     segfault) is named from the launcher's ``rank_exits.json`` with the signal and its likely
     cause. Keys are ``rank_<local rank>``.
     """
+    return {f"rank_{rank}": text for _, rank, text in ranked_failures(log_dir, tail_chars)}
+
+
+def read_rank_exits(log_dir: Path) -> dict[str, dict]:
+    """The launcher's ``rank_exits.json`` under ``log_dir``: local rank -> ``exitcode``,
+    ``signal``, ``timestamp`` and global ``rank``; empty when no rank failed."""
+    exits_file = log_dir / RANK_EXITS
+    return json.loads(exits_file.read_text()) if exits_file.exists() else {}
+
+
+def ranked_failures(
+    log_dir: Path, tail_chars: int = 3000
+) -> list[tuple[tuple[bool, float], str, str]]:
+    """:func:`rank_failures` as ``(order, local rank, text)``, sorted by ``order`` (a rank that
+    only lost its peer or was stopped last, then time of failure), so launches of several
+    agents can be merged into one order."""
     found: list[tuple[tuple[bool, float], str, str]] = []
     never = float("inf")
     for rank_dir in sorted(p for p in log_dir.glob("*/attempt_*/*") if p.is_dir()):
@@ -97,17 +114,15 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
             # A rank that only lost its peer is a consequence, not the cause; among the rest,
             # the file's mtime orders (error.json's timestamp has 1 s resolution).
             when = (_PEER_LOST.search(text) is not None, float(error.stat().st_mtime_ns))
-            found.append((when, f"rank_{rank_dir.name}", text))
+            found.append((when, rank_dir.name, text))
         elif stderr.exists():
             text = stderr.read_text(errors="replace")
             if "Traceback" in text:
-                found.append(((True, never), f"rank_{rank_dir.name}", text[-tail_chars:]))
-    exits_file = log_dir / RANK_EXITS
-    exits = json.loads(exits_file.read_text()) if exits_file.exists() else {}
-    named = {name for _, name, _ in found}
-    for rank, info in exits.items():
-        name, sig = f"rank_{rank}", info.get("signal")
-        if sig and name not in named:
+                found.append(((True, never), rank_dir.name, text[-tail_chars:]))
+    named = {rank for _, rank, _ in found}
+    for rank, info in read_rank_exits(log_dir).items():
+        sig = info.get("signal")
+        if sig and rank not in named:
             # torchrun stops the other ranks with SIGTERM once one fails: a consequence.
             stopped = sig in ("SIGTERM", "SIGINT")
             text = (
@@ -117,8 +132,8 @@ def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
                 else signal_cause(int(info["exitcode"]))
                 or f"killed by signal {sig} (exit code {info['exitcode']})"
             )
-            found.append(((stopped, float(info.get("timestamp", 0)) * 1e9), name, text))
-    return {name: text for _, name, text in sorted(found)}
+            found.append(((stopped, float(info.get("timestamp", 0)) * 1e9), rank, text))
+    return sorted(found)
 
 
 def signal_cause(exit_code: int) -> str | None:

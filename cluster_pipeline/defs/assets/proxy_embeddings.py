@@ -35,7 +35,7 @@ class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
         default=1,
         ge=1,
         description="torchrun processes (data-parallel "
-        "inference); 1 on CPU, the number of GPUs otherwise.",
+        "inference) over all nodes; 1 on CPU, the number of GPUs otherwise.",
     )
     recompute: bool = Field(
         default=False,
@@ -77,6 +77,11 @@ def proxy_embeddings(
     chunk_dir.mkdir(parents=True, exist_ok=True)
     total = n_chunks(len(sample_ids), settings.chunk_size)
     cached = chunks_done(chunk_dir, len(sample_ids), settings.chunk_size)
+    if config.world_size % torchrun.agents:
+        raise dg.Failure(
+            f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
+            "agents (nodes): make it a multiple"
+        )
     if cached < total:
         job = EmbedJob(
             settings=settings,
@@ -89,7 +94,7 @@ def proxy_embeddings(
             context,
             pipes_subprocess_client,
             EMBED_MODULE,
-            config.world_size,
+            config.world_size // torchrun.agents,
             job.dump(chunk_dir / "embed_job.json"),
         )
     else:

@@ -1,5 +1,6 @@
 """Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
 
+import sys
 import time
 
 import dagster as dg
@@ -64,17 +65,23 @@ def trained_checkpoint(
     shards = read_record(context, ShardManifestsRecord)
     subsets = pinned_record(context, PeripheralSubsetsRecord, shards.inputs["peripheral_subsets"])
     instructions = shards.inputs["raw_instructions"]
-    if shards.world_size % torchrun.nnodes:
-        raise dg.Failure(f"{shards.world_size} ranks cannot be split over {torchrun.nnodes} nodes")
+    if shards.world_size % torchrun.agents:
+        raise dg.Failure(
+            f"{shards.world_size} ranks cannot be split over {torchrun.agents} torchrun agents "
+            "(nodes): make the number of clusters a multiple of it"
+        )
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
     # Fail before any process starts when the model cannot fit (weights, gradients, AdamW).
+    # Slurm's nodes are not this machine: their memory is not known here, only estimated.
+    available = (
+        sys.maxsize
+        if torchrun.launcher == "slurm"
+        else available_bytes_per_rank(shards.world_size // torchrun.agents)
+    )
     try:
         memory_per_rank = check_training_memory(
-            parameter_count(model_path),
-            settings,
-            shards.world_size,
-            available_bytes_per_rank(shards.world_size // torchrun.nnodes),
+            parameter_count(model_path), settings, shards.world_size, available
         )
     except TrainingMemoryError as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
@@ -126,7 +133,7 @@ def trained_checkpoint(
                 context,
                 pipes_subprocess_client,
                 TRAIN_MODULE,
-                shards.world_size // torchrun.nnodes,
+                shards.world_size // torchrun.agents,
                 job_file,
             )
             .get_materialize_result()
