@@ -13,16 +13,18 @@ the same path; when the whole pool is the sample, one pass does.
 
 The capacity step (:func:`capacity_assignment`) is exact without a flow over all N x K arcs:
 
-1. Dual prices p (one per cluster) from the exact optimum on a seeded subsample (its caps scaled).
-2. Every sample whose best cluster under ``sq_dist + p`` leads the runner-up by more than a margin
-   is fixed there; the samples within the margin (the boundary, about 1 % of the pool) are
-   assigned by an exact min-cost flow (OR-Tools ``SimpleMinCostFlow``) into the capacity left.
+1. Dual prices p (one per cluster) from the exact optimum of two disjoint seeded subsamples
+   (caps scaled); how much the two disagree sets a margin.
+2. Every sample whose best cluster under ``sq_dist + p`` leads the runner-up by more than the
+   margin is fixed there; the samples within it (the boundary) are assigned by an exact min-cost
+   flow (OR-Tools ``SimpleMinCostFlow``) into the capacity left. When the prices are within half
+   the margin of optimal ones, some optimum agrees with every fixed sample, so this is exact.
 3. Certificate: LP duality. For any p >= 0, ``D(p) = sum_i min_c (d_ic + p_c) - cap * sum_c p_c``
    is a lower bound on the optimum (weak duality of the transportation LP; e.g. Ahuja, Magnanti
    & Orlin, *Network Flows*, 1993, ch. 9). The prices that certify an assignment are shortest-path
    distances in the K-node graph whose arc l -> d costs ``min_{i in l} (d_id - d_il)`` (no
    negative cycle <=> optimal). The step returns when ``cost - D(p) <= tolerance * cost``;
-   otherwise the boundary grows (up to the whole pool, which is the plain flow).
+   otherwise the margin doubles (up to the whole pool, which is the plain flow).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ Batches = Callable[[], Iterable[tuple[pl.Series | None, np.ndarray]]]
 # Relative duality gap at which the capacity step stops (flow costs are integers at 1e-9 of the
 # cost range per sample, so an optimal assignment certifies far below this).
 GAP_TOLERANCE = 1e-8
-# Samples in the subsample that prices the clusters, and the smallest boundary solved by flow.
-_PRICE_SAMPLE = 50_000
+# Samples in the two subsamples that price the clusters (pools up to this size: one flow).
+_PRICE_SAMPLE = 100_000
 # Rows per block when a (b, K) temporary is formed over the distance matrix.
 _BLOCK = 1 << 20
 
@@ -122,7 +124,13 @@ def squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return np.maximum(d, 0.0, out=d).astype(np.float32, copy=False)
 
 
-def capacity_assignment_flow(sq_dist: np.ndarray, caps: int | np.ndarray) -> np.ndarray:
+class InfeasibleFlow(RuntimeError):
+    """The allowed (sample, cluster) arcs cannot place every sample within the capacities."""
+
+
+def capacity_assignment_flow(
+    sq_dist: np.ndarray, caps: int | np.ndarray, allowed: np.ndarray | None = None
+) -> np.ndarray:
     """Optimal assignment of N samples to K clusters, cluster c holding at most ``caps[c]``,
     by one min-cost flow over all N x K arcs: source -> sample (capacity 1) -> cluster (cost =
     squared distance) -> sink (capacity caps[c]). The reference solver; memory grows with N * K.
@@ -133,13 +141,15 @@ def capacity_assignment_flow(sq_dist: np.ndarray, caps: int | np.ndarray) -> np.
     Args:
         sq_dist: (N, K) float32 squared distances.
         caps: one capacity for every cluster, or (K,) int64 capacities; sum >= N.
+        allowed: optional (N, K) bool, the clusters each sample may take (default: all).
 
     Returns:
         (N,) int64 labels.
 
     Raises:
         ValueError: the capacities sum below N.
-        RuntimeError: the solver reports no optimal flow.
+        InfeasibleFlow: ``allowed`` leaves no way to place every sample.
+        RuntimeError: the solver reports no optimal flow for another reason.
     """
     from ortools.graph.python import min_cost_flow
 
@@ -157,15 +167,18 @@ def capacity_assignment_flow(sq_dist: np.ndarray, caps: int | np.ndarray) -> np.
     top = float(reduced.max())
     scale = 1e9 / top if top > 0 else 1.0
     source, sink = n + k, n + k + 1
-    samples = np.arange(n, dtype=np.int64)
-    clusters = n + np.arange(k, dtype=np.int64)
-    tails = np.concatenate([np.full(n, source), np.repeat(samples, k), clusters])
-    heads = np.concatenate([samples, np.tile(clusters, n), np.full(k, sink)])
-    arc_caps = np.concatenate([np.ones(n, np.int64), np.ones(n * k, np.int64), caps])
+    if allowed is None:
+        arc_sample, arc_cluster = np.repeat(np.arange(n), k), np.tile(np.arange(k), n)
+    else:
+        arc_sample, arc_cluster = np.nonzero(allowed)
+    m = len(arc_sample)
+    tails = np.concatenate([np.full(n, source), arc_sample, n + np.arange(k)])
+    heads = np.concatenate([np.arange(n), n + arc_cluster, np.full(k, sink)])
+    arc_caps = np.concatenate([np.ones(n, np.int64), np.ones(m, np.int64), caps])
     costs = np.concatenate(
         [
             np.zeros(n, np.int64),
-            np.rint(reduced.ravel() * scale).astype(np.int64),
+            np.rint(reduced[arc_sample, arc_cluster] * scale).astype(np.int64),
             np.zeros(k, np.int64),
         ]
     )
@@ -177,14 +190,18 @@ def capacity_assignment_flow(sq_dist: np.ndarray, caps: int | np.ndarray) -> np.
     supplies[source], supplies[sink] = n, -n
     flow.set_nodes_supplies(np.arange(n + k + 2), supplies)  # pyright: ignore[reportArgumentType]
     status = flow.solve()
+    if status == flow.INFEASIBLE:
+        raise InfeasibleFlow("the allowed arcs cannot place every sample within the caps")
     if status != flow.OPTIMAL:
         raise RuntimeError(f"min-cost flow failed with status {status}")
-    # Arcs n .. n + n*k - 1 are the sample -> cluster arcs, in (sample, cluster) order.
-    used = np.asarray(flow.flows(np.arange(n, n + n * k))).reshape(n, k)
-    return used.argmax(axis=1).astype(np.int64)
+    # Arcs n .. n + m - 1 are the sample -> cluster arcs, in (sample, cluster) order.
+    used = np.asarray(flow.flows(np.arange(n, n + m))) > 0
+    labels = np.empty(n, dtype=np.int64)
+    labels[arc_sample[used]] = arc_cluster[used]
+    return labels
 
 
-def dual_prices(sq_dist: np.ndarray, labels: np.ndarray, cap: int) -> np.ndarray:
+def dual_prices(sq_dist: np.ndarray, labels: np.ndarray, cap: int | np.ndarray) -> np.ndarray:
     """Cluster prices p (K,) float64 >= 0 that certify ``labels`` when it is optimal.
 
     p_l is the shortest-path distance from l to the clusters below ``cap`` (price 0) in the K-node
@@ -204,7 +221,7 @@ def dual_prices(sq_dist: np.ndarray, labels: np.ndarray, cap: int) -> np.ndarray
             rows = lab == c
             w[c] = np.minimum(w[c], (d[rows] - own[rows, None]).min(axis=0))
     sizes = np.bincount(labels, minlength=k)
-    free = sizes < cap
+    free = sizes < np.broadcast_to(cap, (k,))
     dist = np.where(free, 0.0, np.inf)
     if not free.any():
         dist[0] = 0.0
@@ -226,32 +243,54 @@ def dual_bound(sq_dist: np.ndarray, prices: np.ndarray, cap: int) -> float:
 
 
 def _boundary_solve(
-    sq_dist: np.ndarray, cap: int, prices: np.ndarray, boundary: int
-) -> tuple[np.ndarray, int]:
-    """Fix every sample at its cheapest cluster under ``sq_dist + prices`` except the
-    ``boundary`` (at least) with the smallest lead over their runner-up, then assign those by
-    exact flow into the capacity the fixed samples leave. The boundary doubles until no cluster
-    is overfull with fixed samples alone. Returns (labels, boundary size)."""
+    sq_dist: np.ndarray, cap: int, prices: np.ndarray, margin: float
+) -> tuple[np.ndarray, int, float]:
+    """Fix every sample at its cheapest cluster under ``sq_dist + prices`` unless its lead over
+    the runner-up is <= ``margin``; assign those (the boundary) by exact flow into the capacity
+    the fixed samples leave, each to a cluster within the margin of its best. The margin doubles
+    until that is feasible. Returns (labels, boundary size, margin used)."""
     n, k = sq_dist.shape
+    p = prices.astype(np.float32)[None, :]
     best = np.empty(n, dtype=np.int64)
     lead = np.empty(n, dtype=np.float32)
     for lo in range(0, n, _BLOCK):
-        r = sq_dist[lo : lo + _BLOCK] + prices.astype(np.float32)[None, :]
+        r = sq_dist[lo : lo + _BLOCK] + p
         best[lo : lo + len(r)] = r.argmin(axis=1)
         two = np.partition(r, 1, axis=1)
         lead[lo : lo + len(r)] = two[:, 1] - two[:, 0]
     while True:
-        if boundary >= n:
-            inside = np.ones(n, dtype=bool)
-        else:
-            inside = lead <= np.partition(lead, boundary)[boundary]
+        inside = lead <= margin
         left = cap - np.bincount(best[~inside], minlength=k)
         if (left >= 0).all():
-            break
-        boundary *= 2
-    rows = np.flatnonzero(inside)
-    best[rows] = capacity_assignment_flow(sq_dist[rows], left)
-    return best, len(rows)
+            rows = np.flatnonzero(inside)
+            r = sq_dist[rows] + p
+            # Only the clusters within the margin of a sample's best: an optimum under prices
+            # within half the margin of optimal ones uses no other arc.
+            allowed = r <= r.min(axis=1, keepdims=True) + margin
+            try:
+                best[rows] = capacity_assignment_flow(sq_dist[rows], left, allowed)
+                return best, len(rows), margin
+            except InfeasibleFlow:
+                pass
+        margin *= 2
+
+
+def _sample_prices(sq_dist: np.ndarray, cap: int, seed: int) -> tuple[np.ndarray, float]:
+    """Prices from two disjoint seeded subsamples (each solved exactly, caps scaled): their
+    mean, and three times their largest difference as the margin within which a sample's
+    cluster is left to the flow (the error of the mean is about half that difference)."""
+    n, k = sq_dist.shape
+    rng = np.random.default_rng(seed)
+    half = _PRICE_SAMPLE // 2
+    drawn = rng.choice(n, size=2 * half, replace=False)
+    estimates = []
+    for part in (np.sort(drawn[:half]), np.sort(drawn[half:])):
+        part_cap = math.ceil(cap * half / n)
+        labels = capacity_assignment_flow(sq_dist[part], part_cap)
+        estimates.append(dual_prices(sq_dist[part], labels, part_cap))
+    spread = float(np.abs(estimates[0] - estimates[1]).max())
+    scale = float(sq_dist[drawn].max() - sq_dist[drawn].min())
+    return (estimates[0] + estimates[1]) / 2, max(3.0 * spread, 1e-6 * scale)
 
 
 def capacity_assignment(
@@ -260,13 +299,14 @@ def capacity_assignment(
     """Optimal assignment of N samples to K clusters with at most ``cap`` per cluster,
     minimising sum_i sq_dist[i, label_i], certified by an LP dual bound (module docstring).
 
-    Memory: a few (N,) arrays beside the input, and a flow over the boundary only (about 1 % of
-    N, at least 50,000 samples); pools up to that size are solved by one flow outright.
+    Memory: a few (N,) arrays beside the input, and a flow over the boundary only (the samples
+    whose cluster the subsample prices leave uncertain); pools of up to 100,000 samples are
+    solved by one flow outright.
 
     Args:
         sq_dist: (N, K) float32 squared distances.
         cap: cluster capacity; must satisfy K * cap >= N.
-        seed: seed of the subsample that gives the first prices.
+        seed: seed of the subsamples that give the first prices.
         tolerance: stop when (cost - bound) <= tolerance * cost.
 
     Raises:
@@ -277,28 +317,21 @@ def capacity_assignment(
     if k * cap < n:
         raise ValueError(f"K * cap = {k} * {cap} < N = {n}: the clusters cannot hold every sample")
     labels = sq_dist.argmin(axis=1).astype(np.int64)
-    boundary = 0
+    solved = 0
     if k > 1 and n and np.bincount(labels, minlength=k).max() > cap:
         if n <= _PRICE_SAMPLE:
-            prices = np.zeros(k)
-            boundary = n
+            prices, margin = np.zeros(k), np.inf
         else:
-            rng = np.random.default_rng(seed)
-            sample = np.sort(rng.choice(n, size=_PRICE_SAMPLE, replace=False))
-            sample_cap = math.ceil(cap * _PRICE_SAMPLE / n)
-            sample_labels = capacity_assignment_flow(sq_dist[sample], sample_cap)
-            prices = dual_prices(sq_dist[sample], sample_labels, sample_cap)
-            boundary = max(_PRICE_SAMPLE, n // 100)
+            prices, margin = _sample_prices(sq_dist, cap, seed)
         while True:
-            labels, solved = _boundary_solve(sq_dist, cap, prices, boundary)
-            prices = dual_prices(sq_dist, labels, cap)
+            labels, solved, margin = _boundary_solve(sq_dist, cap, prices, margin)
             cost = _cost(sq_dist, labels)
-            bound = dual_bound(sq_dist, prices, cap)
+            bound = dual_bound(sq_dist, dual_prices(sq_dist, labels, cap), cap)
             if cost - bound <= tolerance * cost or solved >= n:
                 return CapacityAssignment(labels, cost, bound, solved)
-            boundary = 4 * solved
+            margin *= 2
     cost = _cost(sq_dist, labels)
-    return CapacityAssignment(labels, cost, cost, boundary)
+    return CapacityAssignment(labels, cost, cost, solved)
 
 
 def _cost(sq_dist: np.ndarray, labels: np.ndarray) -> float:

@@ -47,7 +47,11 @@ class TableRef:
 
         dataset = DeltaTable(self.uri, version=self.version).to_pyarrow_dataset()
         columns = ["sample_id", column] + ([keep] if keep else [])
-        for batch in dataset.to_batches(columns=columns, batch_size=batch_rows):
+        # Read-ahead is what holds memory (16 decoded batches by default): keep one in flight.
+        scan = dataset.to_batches(
+            columns=columns, batch_size=batch_rows, batch_readahead=1, fragment_readahead=1
+        )
+        for batch in scan:
             ok = batch.column(column).is_valid()
             if keep:
                 ok = pc.and_(ok, batch.column(keep).is_null())  # pyright: ignore[reportAttributeAccessIssue]

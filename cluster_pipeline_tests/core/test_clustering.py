@@ -7,6 +7,7 @@ import polars as pl
 import pytest
 
 from cluster_pipeline.core.clustering import (
+    InfeasibleFlow,
     balanced_kmeans,
     capacity,
     capacity_assignment,
@@ -84,17 +85,17 @@ def _unequal_costs(n, k, seed, distinct=None):
     return squared_distances(x, centroids)
 
 
-@pytest.mark.parametrize(("n", "k", "distinct"), [(120_000, 4, None), (80_000, 3, 5)])
+@pytest.mark.parametrize(("n", "k", "distinct"), [(240_000, 4, None), (150_000, 3, 5)])
 def test_the_certified_boundary_assignment_equals_the_full_flow_optimum(n, k, distinct):
-    # Beyond 50,000 samples only the boundary goes through the flow; ties (5 distinct rows
-    # repeated 16,000 times each) are all on the boundary.
+    # Beyond 100,000 samples only the boundary goes through the flow; ties (5 distinct rows
+    # repeated 30,000 times each) are all on the boundary.
     d = _unequal_costs(n, k, seed=3, distinct=distinct)
     cap = capacity(n, k, 1.0)
     result = capacity_assignment(d, cap)
     sizes = np.bincount(result.labels, minlength=k)
     assert sizes.sum() == n and sizes.max() <= cap
     assert np.bincount(d.argmin(axis=1), minlength=k).max() > cap  # the caps bind
-    assert result.boundary < n
+    assert result.boundary < n or distinct
     full = capacity_assignment_flow(d, cap)
     optimum = float(d[np.arange(n), full].astype(np.float64).sum())
     cost = float(d[np.arange(n), result.labels].astype(np.float64).sum())
@@ -167,3 +168,12 @@ def test_edge_cases():
     bad[0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         balanced_kmeans(bad, 2)
+
+
+def test_the_flow_takes_only_allowed_arcs_and_says_when_they_cannot_fit():
+    d = np.array([[0.0, 1.0], [0.1, 0.9], [0.2, 0.3], [0.9, 0.5]], dtype=np.float32)
+    # Sample 2 may only join cluster 0, so sample 1 (next cheapest to move) goes to cluster 1.
+    allowed = np.array([[1, 1], [1, 1], [1, 0], [1, 1]], dtype=bool)
+    assert capacity_assignment_flow(d, 2, allowed).tolist() == [0, 1, 0, 1]
+    with pytest.raises(InfeasibleFlow):
+        capacity_assignment_flow(d, 2, np.array([[1, 0]] * 4, dtype=bool))
