@@ -140,7 +140,10 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     truncated: dict[str, int] = field(default_factory=dict)
     hidden_size: int
     cache_key: str
-    chunks_reused: int
+    # Samples this run embedded, and those read from the per-sample cache.
+    samples_embedded_now: int
+    samples_reused: int
+    # Of this run's pass (0 when every sample was cached).
     embedding_seconds: float
     tokens_per_second: float
     world_size: int

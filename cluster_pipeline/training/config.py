@@ -68,6 +68,9 @@ class EmbedJob(JobFile):
     instructions_uri: str
     instructions_version: int = Field(ge=0)
     chunk_dir: str
+    # A Parquet file with a sample_id column: embed only those samples of the split (the ones
+    # the per-sample cache lacks); None = the whole split.
+    sample_ids_file: str | None = None
     lm_head_chunk_rows: int = Field(default=1024, ge=1)
     progress_every_s: float = Field(default=5.0, gt=0)
 

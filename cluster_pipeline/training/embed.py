@@ -12,11 +12,18 @@ Launch lines::
         --nproc_per_node=W -m cluster_pipeline.training.embed --config embed_job.json
 
 The job file is an :class:`~cluster_pipeline.training.config.EmbedJob`. The training split of the
-``raw_instructions`` table version it names is cut into fixed chunks of ``chunk_size`` samples
-(in table order); rank r embeds chunks i with i % world_size == r, each written atomically as
-``chunk_<i>.parquet`` in ``chunk_dir``. A chunk file that exists is done, so a killed run
-restarted with the same job embeds only the missing chunks. :func:`assemble_table` gathers the
-chunks, in order, into the ``proxy_embeddings`` table.
+``raw_instructions`` table version it names (or the samples its ``sample_ids_file`` lists) is cut
+into fixed chunks of ``chunk_size`` samples (in table order); rank r embeds chunks i with
+i % world_size == r, each written atomically as ``chunk_<i>.parquet`` in ``chunk_dir``. A chunk
+file that exists is done, so a killed run restarted with the same job embeds only the missing
+chunks.
+
+Per-sample cache (incremental refresh): embeddings are kept in a Delta table per (model,
+tokenizer, settings) folder, one row per ``sample_id`` (a content hash, so an edited sample is a
+new id). :func:`pending_ids` lists the samples it lacks, a pass embeds only those, and
+:func:`store_pass` appends them; :func:`read_cached` then gives the rows of any pool, in its
+order, and :func:`assemble_table` adds the normalised columns. A nightly refresh after new data
+therefore costs in proportion to the new samples, not to the pool.
 """
 
 if __name__ == "__main__":
@@ -65,6 +72,11 @@ REPRESENTATIONS = {"gradient_proxy": "embedding", "hidden_mean": "hidden_mean"}
 
 
 PASS_STATS = "pass_stats.json"
+# In a cache folder: the Delta table of embedded samples, and one line of pass_stats per pass.
+CACHE_TABLE = "samples"
+PASS_LOG = "passes.jsonl"
+# The list of samples a pass embeds, in its folder.
+PASS_IDS = "sample_ids.parquet"
 
 
 def chunk_path(chunk_dir: Path, index: int) -> Path:
@@ -133,14 +145,85 @@ class EmbeddingTable:
     truncated: dict[str, int]
 
 
-def assemble_table(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> EmbeddingTable:
-    """Gather a finished pass's chunks and add the L2-normalised embeddings.
+def pending_ids(cache_dir: Path, sample_ids: list[str]) -> list[str]:
+    """The ``sample_ids`` (in their order) the cache folder has no embedding for."""
+    table = cache_dir / CACHE_TABLE
+    if not (table / "_delta_log").exists():
+        return list(sample_ids)
+    cached = set(pl.read_delta(str(table), columns=["sample_id"])["sample_id"].to_list())
+    return [s for s in sample_ids if s not in cached]
+
+
+def write_pass_ids(pass_dir: Path, sample_ids: list[str]) -> Path:
+    """Write the samples a pass embeds (read back by :func:`run_pass`)."""
+    pass_dir.mkdir(parents=True, exist_ok=True)
+    path = pass_dir / PASS_IDS
+    pl.DataFrame({"sample_id": sample_ids}, schema={"sample_id": pl.String}).write_parquet(path)
+    return path
+
+
+def store_pass(cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int) -> None:
+    """Append a finished pass's chunks to the cache table (one Delta commit, so a crash leaves
+    the cache as it was or with the whole pass), log its stats, and remove its folder.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`gather_chunks`, or no sample was embedded
-            (every one was skipped).
+        FileNotFoundError / ValueError: as :func:`gather_chunks`.
     """
-    chunks = gather_chunks(chunk_dir, sample_ids, chunk_size)
+    import shutil
+
+    chunks = gather_chunks(pass_dir, sample_ids, chunk_size)
+    chunks.write_delta(str(cache_dir / CACHE_TABLE), mode="append")
+    stats = read_pass_stats(pass_dir)
+    with (cache_dir / PASS_LOG).open("a") as f:
+        f.write(json.dumps(stats) + "\n")
+    shutil.rmtree(pass_dir, ignore_errors=True)
+
+
+def cached_pass_stats(cache_dir: Path) -> dict[str, float]:
+    """Totals over every pass logged in a cache folder: samples, tokens, seconds (each pass's
+    slowest rank), passes. {} before the first pass."""
+    path = cache_dir / PASS_LOG
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    totals = {
+        key: float(sum(r.get(key, 0.0) for r in rows)) for key in ("samples", "tokens", "seconds")
+    }
+    return {**totals, "passes": float(len(rows))}
+
+
+def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:
+    """The cached chunk rows (:data:`CHUNK_SCHEMA`) of ``sample_ids``, in that order.
+
+    Raises:
+        FileNotFoundError: some samples have no cached row (names how many and one of them).
+    """
+    wanted = pl.DataFrame({"sample_id": sample_ids}, schema={"sample_id": pl.String})
+    table = cache_dir / CACHE_TABLE
+    if not (table / "_delta_log").exists():
+        raise FileNotFoundError(f"{cache_dir}: no embeddings cached yet")
+    cached = (
+        pl.scan_delta(str(table))
+        .join(wanted.lazy(), on="sample_id", how="semi")
+        .unique("sample_id", keep="last", maintain_order=True)
+        .collect()
+    )
+    frame = wanted.join(cached, on="sample_id", how="left", maintain_order="left")
+    missing = frame.filter(pl.col("n_tokens").is_null())["sample_id"]
+    if len(missing):
+        raise FileNotFoundError(
+            f"{cache_dir}: {len(missing)} samples (e.g. {missing[0]!r}) have no cached embedding"
+        )
+    return frame.select(list(CHUNK_SCHEMA))
+
+
+def assemble_table(chunks: pl.DataFrame) -> EmbeddingTable:
+    """Add the L2-normalised embeddings to a pool's chunk rows (:data:`CHUNK_SCHEMA`, e.g. from
+    :func:`read_cached`).
+
+    Raises:
+        ValueError: no sample was embedded (every one was skipped).
+    """
     ok = chunks["skip_reason"].is_null().to_numpy()
     if not ok.any():
         raise ValueError(
@@ -239,6 +322,9 @@ def run_pass(job: EmbedJob, env, report) -> None:
     for orphan in chunk_dir.glob(f"chunk_*.tmp-rank{env.rank}"):
         orphan.unlink(missing_ok=True)
     frame = read_train_split(job.instructions_uri, job.instructions_version)
+    if job.sample_ids_file:
+        wanted = pl.read_parquet(job.sample_ids_file)["sample_id"]
+        frame = frame.filter(pl.col("sample_id").is_in(wanted.implode()))
     total = n_chunks(frame.height, cfg.chunk_size)
     mine = [i for i in range(total) if i % env.world_size == env.rank]
     todo = [i for i in mine if not chunk_path(chunk_dir, i).exists()]

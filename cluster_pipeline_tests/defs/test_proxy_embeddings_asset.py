@@ -2,6 +2,7 @@
 
 import dagster as dg
 import numpy as np
+import polars as pl
 import pytest
 
 from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
@@ -33,18 +34,20 @@ def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
         first = _run(instance, tiny_data_dir, tiny_model_dir)
         m1 = meta(instance, "proxy_embeddings")
         t1 = read(instance, "proxy_embeddings")
-        assert m1["chunks_reused"] == 0 and m1["embedded"] == m1["dagster/row_count"] == 57
+        assert m1["samples_reused"] == 0 and m1["samples_embedded_now"] == 57
+        assert m1["embedded"] == m1["dagster/row_count"] == 57
         logs = [e.user_message for e in instance.all_logs(first.run_id)]
         assert any("embedded" in m and "tokens/s" in m and "ETA" in m for m in logs)
 
         _run(instance, tiny_data_dir, tiny_model_dir)
         m2 = meta(instance, "proxy_embeddings")
-        assert m2["chunks_reused"] == 4 and m2["cache_key"] == m1["cache_key"]
+        assert m2["samples_reused"] == 57 and m2["samples_embedded_now"] == 0
+        assert m2["cache_key"] == m1["cache_key"]
         t2 = read(instance, "proxy_embeddings")
         assert t2.equals(t1)
 
         _run(instance, tiny_data_dir, tiny_model_dir, recompute=True)
-        assert meta(instance, "proxy_embeddings")["chunks_reused"] == 0
+        assert meta(instance, "proxy_embeddings")["samples_embedded_now"] == 57
         t3 = read(instance, "proxy_embeddings")
         np.testing.assert_allclose(
             np.stack(t3["embedding"].to_list()), np.stack(t1["embedding"].to_list()), rtol=1e-6
@@ -53,6 +56,37 @@ def test_cache_reuse_recompute_and_progress(tiny_data_dir, tiny_model_dir):
         # Other settings make another cache entry.
         _run(instance, tiny_data_dir, tiny_model_dir, max_length=48)
         assert meta(instance, "proxy_embeddings")["cache_key"] != m1["cache_key"]
+
+
+def test_a_refresh_after_new_samples_embeds_only_those(tmp_path, tiny_model_dir):
+    # 200 samples, then 2 more (1 %): the refresh embeds exactly the new training samples,
+    # and its table equals a full recompute of the grown pool.
+    data = tmp_path / "data"
+    records = tiny_records(202)
+    write_jsonl(data / "raw" / "tiny" / "a.jsonl", records[:200])
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        _run(instance, data, tiny_model_dir)
+        before = set(
+            read(instance, "raw_instructions").filter(pl.col("split") == "train")["sample_id"]
+        )
+        write_jsonl(data / "raw" / "tiny" / "a.jsonl", records)
+        _run(instance, data, tiny_model_dir)
+        m = meta(instance, "proxy_embeddings")
+        after = read(instance, "raw_instructions").filter(pl.col("split") == "train")["sample_id"]
+        new = set(after) - before
+        assert len(new) >= 1 and m["samples_embedded_now"] == len(new)
+        assert m["samples_reused"] == len(after) - len(new) and m["embedded"] == len(after)
+        refreshed = read(instance, "proxy_embeddings")
+        _run(instance, data, tiny_model_dir, recompute=True)
+        assert meta(instance, "proxy_embeddings")["samples_embedded_now"] == len(after)
+        full = read(instance, "proxy_embeddings")
+    assert refreshed["sample_id"].to_list() == full["sample_id"].to_list() == after.to_list()
+    for column in ("embedding", "hidden_mean", "embedding_normalised"):
+        np.testing.assert_allclose(
+            np.stack(refreshed[column].to_list()), np.stack(full[column].to_list()), atol=1e-5
+        )
+    np.testing.assert_allclose(refreshed["mean_loss"], full["mean_loss"], atol=1e-5)
 
 
 def test_skipped_and_truncated_samples_are_counted_and_traced(tmp_path, tiny_model_dir):

@@ -67,22 +67,25 @@ def test_a_second_run_of_a_partition_queues_and_reuses_the_embeddings(tmp_path, 
             # No two runs of the partition overlapped: each started after the previous ended.
             spans = sorted((r.start_time or 0.0, r.end_time or float("inf")) for r in records)
             assert all(nxt[0] >= prev[1] for prev, nxt in zip(spans, spans[1:], strict=False))
-            # One embedding pass: only the first materialization computed chunks.
+            # One embedding pass: only the first materialization embedded samples.
             materializations = instance.fetch_materializations(
                 dg.AssetRecordsFilter(
                     asset_key=dg.AssetKey("proxy_embeddings"), asset_partitions=["tiny"]
                 ),
                 limit=10,
             ).records
-            reused = sorted(
-                int(str(m.asset_materialization.metadata["chunks_reused"].value))
-                for m in materializations
-                if m.asset_materialization is not None
+            embedded = sorted(
+                (
+                    int(str(m.asset_materialization.metadata["samples_embedded_now"].value))
+                    for m in materializations
+                    if m.asset_materialization is not None
+                ),
+                reverse=True,
             )
             # (The automation sensor may add a run of its own, e.g. sample_lineage: queued too.)
             assert sum(r.dagster_run.job_name == "selection_job" for r in records) == 2
-            assert len(reused) >= 2
-            assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
+            assert len(embedded) >= 2
+            assert embedded[0] > 0 and all(n == 0 for n in embedded[1:]), embedded
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(timeout=60)

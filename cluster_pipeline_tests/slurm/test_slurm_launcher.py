@@ -133,7 +133,7 @@ def test_embedding_pass_over_two_slurm_agents_equals_standalone(
         # 2 torchrun agents (nnodes=2) x 1 rank under Slurm, recomputed (the cache is shared).
         result = _embed(instance, {**res, "torchrun": slurm_torchrun()}, recompute=True)
         slurm = read(instance, "proxy_embeddings")
-        assert meta(instance, "proxy_embeddings")["chunks_reused"] == 0
+        assert meta(instance, "proxy_embeddings")["samples_reused"] == 0
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert any("2 torchrun agents on 1 node(s) x 1 ranks" in m for m in logs)
     # Rank 0's progress came back through Pipes' files while the job ran.

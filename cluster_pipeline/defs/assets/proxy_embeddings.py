@@ -18,10 +18,15 @@ from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_o
 from cluster_pipeline.training.embed import (
     CHUNK_FORMAT,
     assemble_table,
+    cached_pass_stats,
     chunks_done,
     n_chunks,
+    pending_ids,
+    read_cached,
     read_pass_stats,
     read_train_split,
+    store_pass,
+    write_pass_ids,
 )
 
 EMBED_MODULE = "cluster_pipeline.training.embed"
@@ -39,7 +44,8 @@ class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
     )
     recompute: bool = Field(
         default=False,
-        description="Ignore embeddings cached for the same model, settings and samples.",
+        description="Drop the embeddings cached for this model and these settings and "
+        "embed every sample again.",
     )
 
 
@@ -68,48 +74,65 @@ def proxy_embeddings(
     ].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
-    key = stable_hash(
-        model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT, sample_ids
-    )
-    chunk_dir = layout.embedding_cache_dir(dataset, key)
+    # Per-sample cache: keyed by what changes the numbers, not by the pool, so a refresh after
+    # new data embeds only the new samples (training/embed.py, "Per-sample cache").
+    key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT)
+    cache_dir = layout.embedding_cache_dir(dataset, key)
     if config.recompute:
-        shutil.rmtree(chunk_dir, ignore_errors=True)
-    chunk_dir.mkdir(parents=True, exist_ok=True)
-    total = n_chunks(len(sample_ids), settings.chunk_size)
-    cached = chunks_done(chunk_dir, len(sample_ids), settings.chunk_size)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
     if config.world_size % torchrun.agents:
         raise dg.Failure(
             f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
             "agents (nodes): make it a multiple"
         )
-    if cached < total:
-        job = EmbedJob(
-            settings=settings,
-            model_path=model_path,
-            instructions_uri=instructions.table.uri,
-            instructions_version=instructions.table.version,
-            chunk_dir=str(chunk_dir),
-        )
-        torchrun.run(
-            context,
-            pipes_subprocess_client,
-            EMBED_MODULE,
-            config.world_size // torchrun.agents,
-            job.dump(chunk_dir / "embed_job.json"),
-        )
+    pending = pending_ids(cache_dir, sample_ids)
+    pass_seconds, pass_tokens = 0.0, 0.0
+    if pending:
+        # The pass folder is named by its samples, so a killed pass resumes its chunks.
+        pass_dir = cache_dir / f"pass_{stable_hash(pending)}"
+        ids_file = write_pass_ids(pass_dir, pending)
+        if chunks_done(pass_dir, len(pending), settings.chunk_size) < n_chunks(
+            len(pending), settings.chunk_size
+        ):
+            context.log.info(
+                f"embedding {len(pending)} of {len(sample_ids)} samples "
+                f"({len(sample_ids) - len(pending)} cached under {cache_dir})"
+            )
+            job = EmbedJob(
+                settings=settings,
+                model_path=model_path,
+                instructions_uri=instructions.table.uri,
+                instructions_version=instructions.table.version,
+                chunk_dir=str(pass_dir),
+                sample_ids_file=str(ids_file),
+            )
+            torchrun.run(
+                context,
+                pipes_subprocess_client,
+                EMBED_MODULE,
+                config.world_size // torchrun.agents,
+                job.dump(pass_dir / "embed_job.json"),
+            )
+        stats = read_pass_stats(pass_dir)
+        pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
+        try:
+            store_pass(cache_dir, pass_dir, pending, settings.chunk_size)
+        except (FileNotFoundError, ValueError) as e:
+            raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     else:
-        context.log.info(f"all {total} chunks cached under {chunk_dir}; nothing to embed")
+        context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
     try:
-        result = assemble_table(chunk_dir, sample_ids, settings.chunk_size)
+        result = assemble_table(read_cached(cache_dir, sample_ids))
     except FileNotFoundError as e:
-        raise dg.Failure(f"{e}; re-run with recompute: true") from e
+        raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
     table = write_table(result.frame, layout.table_uri("proxy_embeddings", dataset))
     seconds = time.perf_counter() - start
-    # Timings of the pass that computed these embeddings (an earlier run's when cached).
-    stats = read_pass_stats(chunk_dir)
-    pass_seconds = float(stats.get("seconds", 0.0))
+    # Selection cost of this pool: one pass over it at the rate the cache's passes measured.
+    totals = cached_pass_stats(cache_dir)
+    rate = totals.get("seconds", 0.0) / max(totals.get("samples", 0.0), 1.0)
     context.log.info(
         f"{result.embedded} embedded, {result.frame.height - result.embedded} "
         f"skipped in {seconds:.1f} s; truncated: {result.truncated or 'none'}"
@@ -130,15 +153,16 @@ def proxy_embeddings(
         table=table,
         inputs=instructions.lineage(),
         seconds=round(seconds, 3),
-        selection_seconds=round(pass_seconds, 2),
+        selection_seconds=round(rate * len(sample_ids), 2),
         embedded=result.embedded,
         skipped=result.skipped,
         truncated=result.truncated,
         hidden_size=result.hidden_size,
         cache_key=key,
-        chunks_reused=cached,
+        samples_embedded_now=len(pending),
+        samples_reused=len(sample_ids) - len(pending),
         embedding_seconds=round(pass_seconds, 2),
-        tokens_per_second=round(stats.get("tokens", 0) / max(pass_seconds, 1e-9), 1),
+        tokens_per_second=round(pass_tokens / max(pass_seconds, 1e-9), 1),
         world_size=config.world_size,
         mean_loss=round(mean_of(result.frame["mean_loss"]), 4),
         base_model=model_path,
