@@ -187,7 +187,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=Path("/tmp/cluster_pipeline_ooc"))
     p.add_argument("--skip-in-memory", action="store_true", help="only the streaming path")
-    p.add_argument("--keep", action="store_true", help="keep the generated table")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the generated table (and reuse a kept one)"
+    )
     p.add_argument(
         "--stage", choices=["generate", "in_memory", "streaming"], help=argparse.SUPPRESS
     )
@@ -206,7 +208,16 @@ def main() -> None:
         return
     common = ["--n", str(args.n), "--d", str(args.d), "--k", str(args.k), "--seed", str(args.seed)]
     common += ["--work", str(args.work)]
-    gen = _child([*common, "--stage", "generate"])
+    if args.keep and (table / "_delta_log").exists():
+        from cluster_pipeline.core.tables import TableRef
+
+        rows = TableRef(str(table), _version(table)).row_count()
+        if rows != args.n:
+            p.error(f"{table} holds {rows} rows, not {args.n}: remove it or drop --keep")
+        disk = sum(f.stat().st_size for f in table.rglob("*.parquet")) / 2**30
+        gen = {"seconds": "0 (kept from an earlier run)", "disk_gib": round(disk, 2)}
+    else:
+        gen = _child([*common, "--stage", "generate"])
     gib = args.n * args.d * 4 / 2**30
     print(
         f"N={args.n:,} x d={args.d:,} float32 ({gib:.1f} GiB in memory, {gen['disk_gib']} GiB "

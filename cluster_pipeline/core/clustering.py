@@ -46,7 +46,7 @@ Batches = Callable[[], Iterable[tuple[pl.Series | None, np.ndarray]]]
 # cost range per sample, so an optimal assignment certifies far below this).
 GAP_TOLERANCE = 1e-8
 # Samples in the two subsamples that price the clusters (pools up to this size: one flow).
-_PRICE_SAMPLE = 100_000
+_PRICE_SAMPLE = 200_000
 # Rows per block when a (b, K) temporary is formed over the distance matrix.
 _BLOCK = 1 << 20
 
@@ -163,29 +163,28 @@ def capacity_assignment_flow(
         return np.zeros(0, dtype=np.int64)
     if k == 1:
         return np.zeros(n, dtype=np.int64)
-    reduced = sq_dist.astype(np.float64) - sq_dist.min(axis=1, keepdims=True)
-    top = float(reduced.max())
-    scale = 1e9 / top if top > 0 else 1.0
     source, sink = n + k, n + k + 1
     if allowed is None:
         arc_sample, arc_cluster = np.repeat(np.arange(n), k), np.tile(np.arange(k), n)
     else:
         arc_sample, arc_cluster = np.nonzero(allowed)
     m = len(arc_sample)
-    tails = np.concatenate([np.full(n, source), arc_sample, n + np.arange(k)])
-    heads = np.concatenate([np.arange(n), n + arc_cluster, np.full(k, sink)])
-    arc_caps = np.concatenate([np.ones(n, np.int64), np.ones(m, np.int64), caps])
+    # Reduced per sample (its smallest distance subtracted), on the arcs only.
+    reduced = sq_dist[arc_sample, arc_cluster].astype(np.float64)
+    reduced -= sq_dist.min(axis=1).astype(np.float64)[arc_sample]
+    top = float(reduced.max()) if m else 0.0
+    scale = 1e9 / top if top > 0 else 1.0
     costs = np.concatenate(
-        [
-            np.zeros(n, np.int64),
-            np.rint(reduced[arc_sample, arc_cluster] * scale).astype(np.int64),
-            np.zeros(k, np.int64),
-        ]
+        [np.zeros(n, np.int64), np.rint(reduced * scale).astype(np.int64), np.zeros(k, np.int64)]
     )
     del reduced
+    tails = np.concatenate([np.full(n, source), arc_sample, n + np.arange(k)])
+    heads = np.concatenate([np.arange(n), n + arc_cluster, np.full(k, sink)])
+    arc_caps = np.concatenate([np.ones(n + m, np.int64), caps])
     flow = min_cost_flow.SimpleMinCostFlow()
     # OR-Tools' type stubs spell the dtype where the shape goes; the arrays are what it takes.
     flow.add_arcs_with_capacity_and_unit_cost(tails, heads, arc_caps, costs)  # pyright: ignore[reportArgumentType]
+    del tails, heads, arc_caps, costs
     supplies = np.zeros(n + k + 2, dtype=np.int64)
     supplies[source], supplies[sink] = n, -n
     flow.set_nodes_supplies(np.arange(n + k + 2), supplies)  # pyright: ignore[reportArgumentType]
@@ -267,6 +266,7 @@ def _boundary_solve(
             # Only the clusters within the margin of a sample's best: an optimum under prices
             # within half the margin of optimal ones uses no other arc.
             allowed = r <= r.min(axis=1, keepdims=True) + margin
+            del r
             try:
                 best[rows] = capacity_assignment_flow(sq_dist[rows], left, allowed)
                 return best, len(rows), margin
@@ -300,7 +300,7 @@ def capacity_assignment(
     minimising sum_i sq_dist[i, label_i], certified by an LP dual bound (module docstring).
 
     Memory: a few (N,) arrays beside the input, and a flow over the boundary only (the samples
-    whose cluster the subsample prices leave uncertain); pools of up to 100,000 samples are
+    whose cluster the subsample prices leave uncertain); pools of up to 200,000 samples are
     solved by one flow outright.
 
     Args:
@@ -447,6 +447,7 @@ def cluster_stream(
         raise ValueError(f"embedding batches have different widths {sorted(widths)}")
     sample = np.concatenate([p for p in sample_parts if len(p)]) if n else np.zeros((0, 0))
     sample_ids = pl.concat(sample_id_parts)
+    del sample_parts, sample_id_parts
     cap = capacity(n, k, alpha)
     if total is not None:  # K = 1: the centroid is the mean
         centroids = (total / n).astype(np.float32)[None, :]

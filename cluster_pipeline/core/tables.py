@@ -43,6 +43,7 @@ class TableRef:
         Raises:
             ValueError: the rows of one batch have unequal lengths (names the table).
         """
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         dataset = DeltaTable(self.uri, version=self.version).to_pyarrow_dataset()
@@ -68,6 +69,9 @@ class TableRef:
                 )
             ids = pl.Series("sample_id", batch.column("sample_id"), dtype=pl.String)
             yield ids, flat.astype(np.float32, copy=False).reshape(batch.num_rows, d)
+        # Arrow's allocator keeps freed batches for reuse; give them back after a pass.
+        del scan
+        pa.default_memory_pool().release_unused()
 
     def vectors_for(
         self, column: str, sample_ids: pl.Series, batch_rows: int = 65536
