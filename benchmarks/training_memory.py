@@ -54,6 +54,20 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
     return info
 
 
+def print_breakdown(info: dict) -> None:
+    """Each rank's resident memory (VmRSS) and its high-water mark (VmHWM) at the points of the
+    run that training.train marks (``memory_per_rank`` in training_info.json), in GiB."""
+    ranks = info.get("memory_per_rank") or []
+    if not ranks:
+        return
+    for r, marks in enumerate(ranks):
+        cells = ", ".join(
+            f"{m['label']} {m['rss_mib'] / 1024:.2f} (peak {m['peak_rss_mib'] / 1024:.2f})"
+            for m in marks
+        )
+        print(f"        rank {r} RSS GiB: {cells}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
@@ -115,6 +129,7 @@ def main() -> None:
             f"  {mode:>4}: peak RSS per rank {[round(b / GIB, 2) for b in peaks[mode]]} GiB, "
             f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s"
         )
+        print_breakdown(info)
     ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
     print(f"  FSDP / DDP peak RSS per rank: {ratio:.3f} (target <= 0.65)")
     if args.skip_1b:

@@ -13,6 +13,7 @@ al. 2020, section 3.1): DDP holds 16 bytes x P on every rank, FSDP2 16 x P / wor
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,98 @@ def wrap(model, cfg: TrainSettings, device: torch.device):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+class SafetensorsRows:
+    """Reads row ranges of the tensors in safetensors files with plain reads, not ``mmap``:
+    pages of a mapped file count in the reader's resident memory (and its peak) until it is
+    unmapped, read pages do not. Format: an 8-byte little-endian header length, a JSON header
+    giving each tensor's dtype, shape and byte offsets, then the data, row-major
+    (huggingface/safetensors, README "Format")."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
+        """(file, byte offset of the tensor's data, its header entry)."""
+        import json
+        import struct
+
+        if name not in self.files:
+            raise KeyError(f"the checkpoint has no tensor {name!r} for the model's parameter")
+        file = self.files[name]
+        if file not in self.headers:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self.headers[file] = (8 + length, json.loads(f.read(length)))
+        data_start, header = self.headers[file]
+        meta = header[name]
+        return file, data_start + meta["data_offsets"][0], meta
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entry(name)[2]["shape"])
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Copy rows ``start : start + out.shape[0]`` of tensor ``name`` into ``out`` (a
+        CPU or GPU tensor of the tensor's trailing shape, any float dtype)."""
+        file, offset, meta = self.entry(name)
+        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+        row_bytes = math.prod(meta["shape"][1:]) * dtype.itemsize
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=dtype)
+        with open(file, "rb", buffering=0) as f:
+            f.seek(offset + start * row_bytes)
+            f.readinto(buffer.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
+        if not direct:
+            out.copy_(buffer)
+
+
+@torch.no_grad()
+def load_into_shards(model, files: dict[str, Path], device: torch.device) -> None:
+    """Fill the parameters of a model built on the meta device (``modeling.empty_model``) and
+    sharded with :func:`wrap`, each rank reading from the safetensors ``files`` (tensor name ->
+    file) only the rows of its own shard (:class:`SafetensorsRows`): no rank ever holds the
+    full weights, only its shards. Buffers keep the values they were built with. Works
+    unsharded too (every row). What torchtune's ``load_from_full_model_state_dict`` does,
+    without a full state dict on rank 0 to scatter from.
+
+    Raises:
+        KeyError: a parameter of the model has no tensor in ``files``.
+        ValueError: a tensor's shape differs from its parameter's, or a parameter is sharded
+            otherwise than FSDP2's default (rows, dim 0).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    reader = SafetensorsRows(files)
+    for name, param in model.named_parameters():
+        if reader.shape(name) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: {reader.shape(name)} in the checkpoint, {tuple(param.shape)} in the model"
+            )
+        local, start = param, 0
+        if isinstance(param, DTensor):
+            if tuple(param.placements) != (Shard(0),):
+                raise ValueError(f"{name} is sharded as {param.placements}, not by rows")
+            local = param.to_local()
+            rows = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's chunk size
+            start = param.device_mesh.get_local_rank() * rows
+        if local.numel():
+            reader.read_into(name, start, local)
 
 
 def is_fsdp(module) -> bool:
