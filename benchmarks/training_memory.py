@@ -86,6 +86,7 @@ def main() -> None:
     from cluster_pipeline.training.config import Parallelism, TrainSettings
     from cluster_pipeline.training.parallel import (
         TrainingMemoryError,
+        activation_bytes,
         available_bytes_per_rank,
         check_training_memory,
         parameter_count,
@@ -122,12 +123,18 @@ def main() -> None:
     )
     peaks = {}
     modes: tuple[Parallelism, ...] = ("ddp", "fsdp")
+    n_smol = parameter_count(smol)
     for mode in modes:
+        acts = activation_bytes(smol, settings(mode))
+        need = check_training_memory(n_smol, settings(mode), 2, 2**62, activations=acts)
         info = train(work, f"smol_{mode}", smol, table, manifests, settings(mode))
         peaks[mode] = info["peak_rss_bytes_per_rank"]
         print(
             f"  {mode:>4}: peak RSS per rank {[round(b / GIB, 2) for b in peaks[mode]]} GiB, "
-            f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s"
+            f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s; "
+            f"pre-launch estimate {need / GIB:.2f} GiB ({acts / GIB:.2f} of it activations; "
+            f"the process itself not counted), measured peak - estimate "
+            f"{(max(peaks[mode]) - need) / GIB:.2f} GiB"
         )
         print_breakdown(info)
     ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
@@ -157,14 +164,17 @@ def main() -> None:
         f" 2 ranks; {available / GIB:.1f} GiB available per rank now"
     )
     try:
-        check_training_memory(n, settings("ddp"), 2, available)
+        acts = activation_bytes(str(big), settings("ddp"))
+        check_training_memory(n, settings("ddp"), 2, available, activations=acts)
         print("  ddp: the estimate fits this machine: not refused")
     except TrainingMemoryError as e:
         print(f"  ddp: refused before launch: {e}")
-    need = check_training_memory(n, settings("fsdp"), 2, available)
+    acts = activation_bytes(str(big), settings("fsdp"))
+    need = check_training_memory(n, settings("fsdp"), 2, available, activations=acts)
     info = train(work, "big_fsdp", str(big), table, manifests, settings("fsdp"))
     print(
-        f"  fsdp: estimate {need / GIB:.1f} GiB per rank; peak RSS per rank "
+        f"  fsdp: estimate {need / GIB:.1f} GiB per rank ({acts / GIB:.2f} of it activations); "
+        f"peak RSS per rank "
         f"{[round(b / GIB, 2) for b in info['peak_rss_bytes_per_rank']]} GiB; {info['steps']} "
         f"steps in {info['train_seconds']:.0f} s ({info['train_seconds'] / info['steps']:.0f} s "
         f"per step), final loss {info['final_loss']:.3f}, wall {info['wall_seconds']:.0f} s"

@@ -74,7 +74,7 @@ from cluster_pipeline.training.distributed import (
     all_gather_floats,
     run_entry_point,
 )
-from cluster_pipeline.training.memory import MemoryTrace
+from cluster_pipeline.training.memory import MemoryTrace, limit_heap_fragmentation
 from cluster_pipeline.training.parallel import (
     SHARDED_DIR,
     adapter_config,
@@ -255,6 +255,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
             step counts, or a resume checkpoint trained on other manifests.
     """
     cfg = job.settings
+    limit_heap_fragmentation()
     memory = MemoryTrace()
     memory.mark("start")
     if env.world_size != len(job.manifests):
@@ -468,6 +469,8 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     plain = not is_fsdp(run.ddp_model) and not run.settings.lora_r
     # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
     run.memory.mark("trained")
+    if not plain:  # AdamW's moments are done with: free them before gathering the weights
+        run.optimizer.state.clear()
     state = None if plain else full_state_dict(run.model)
     run.memory.mark("gathered for export")
     memory = _gather_objects(run.memory.marks, run.env)

@@ -21,6 +21,7 @@ from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
 from cluster_pipeline.training.parallel import (
     TrainingMemoryError,
+    activation_bytes,
     available_bytes_per_rank,
     check_training_memory,
     parameter_count,
@@ -68,13 +69,15 @@ def trained_checkpoint(
         raise dg.Failure(f"{shards.world_size} ranks cannot be split over {torchrun.nnodes} nodes")
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
-    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW).
+    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW,
+    # activations).
     try:
         memory_per_rank = check_training_memory(
             parameter_count(model_path),
             settings,
             shards.world_size,
             available_bytes_per_rank(shards.world_size // torchrun.nnodes),
+            activations=activation_bytes(model_path, settings),
         )
     except TrainingMemoryError as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
