@@ -5,19 +5,24 @@
 1. SmolLM2-135M-Instruct (the built-in model), 2 ranks under torchrun on the CPU, the same
    --steps optimizer steps on the same 2 x 8 python_stdlib samples with parallelism ddp, then
    fsdp: each rank's peak resident memory (``ru_maxrss``, recorded in ``training_info.json``)
-   and the ratio FSDP / DDP (target <= 0.65).
+   and the ratio FSDP / DDP (target <= 0.65). Beside each: the pre-launch estimate
+   (``check_training_memory`` with ``activation_bytes``) and every rank's RSS and peak RSS at
+   the points training.train marks (model loaded, wrapped, shards loaded, step 1, trained,
+   gathered for export).
 2. A randomly initialised Llama of about 0.9B parameters (SmolLM2's tokenizer, 18 layers of width
-   2,048): the pre-launch estimate refuses DDP on this machine (16 bytes per parameter per rank),
-   then FSDP2 at 2 ranks trains --steps steps; its peak memory per rank and seconds per step are
-   printed. No CPU offload is used.
+   2,048): the pre-launch estimate refuses DDP on this machine (16 bytes per parameter per rank
+   plus activations), then FSDP2 at 2 ranks trains --steps steps; its peak memory per rank and
+   seconds per step are printed. No CPU offload is used.
 
-Takes about 15 minutes on a 2-core, 24 GiB machine (most of it the 0.9B model's steps).
+Takes about 5 minutes on an idle 2-core, 24 GiB machine (1 for part 1); part 2 needs about
+20 GiB free.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +53,10 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
         [*command, "--config", str(work / f"{name}.json")], capture_output=True, text=True
     )
     if done.returncode != 0:
-        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+        # Both ranks write to stderr: the first failure may lie far above the end.
+        log = work / f"{name}.stderr"
+        log.write_text(done.stderr)
+        sys.exit(f"{name} failed (all of stderr: {log}):\n{done.stderr[-3000:]}")
     info = json.loads((out / "training_info.json").read_text())
     info["wall_seconds"] = time.perf_counter() - start
     return info
@@ -73,7 +81,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M comparison")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the work folder (checkpoints: 5 GB with the 1B)"
+    )
     args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="training_memory_"))
+    compare(args, work)
+    # A failed run exits above and keeps the folder, with the ranks' stderr in it.
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, work: Path) -> None:
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -92,7 +111,6 @@ def main() -> None:
         parameter_count,
     )
 
-    work = Path(tempfile.mkdtemp(prefix="training_memory_"))
     smol = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     frame, _ = build_instruction_table(iter_stdlib_samples(), 0.0, None, 16, seed=0)
     table = write_table(frame, work / "raw")
@@ -179,6 +197,7 @@ def main() -> None:
         f"steps in {info['train_seconds']:.0f} s ({info['train_seconds'] / info['steps']:.0f} s "
         f"per step), final loss {info['final_loss']:.3f}, wall {info['wall_seconds']:.0f} s"
     )
+    print_breakdown(info)
 
 
 if __name__ == "__main__":

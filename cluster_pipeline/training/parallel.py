@@ -8,6 +8,10 @@ reduce-scatter), so one step follows sum_c (n_c / N) g_c either way.
 Memory per rank for full fine-tuning with AdamW in float32 (weights 4 + gradients 4 + Adam's two
 moments 8 bytes per parameter, activations aside; the ZeRO paper's accounting, Rajbhandari et
 al. 2020, section 3.1): DDP holds 16 bytes x P on every rank, FSDP2 16 x P / world size.
+Activations (:func:`activation_bytes`) and the process itself are the same on every rank under
+both. For FSDP2 to hold only its shards from the start, the model is built on the meta device,
+sharded, and each rank reads its own rows of the weights (:func:`load_into_shards`); the
+optimizer is created after that, so AdamW's moments are sharded too.
 """
 
 from __future__ import annotations
