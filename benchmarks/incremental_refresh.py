@@ -69,7 +69,7 @@ def main() -> None:
 
     def materialize(instance, **embed) -> dict:
         config = {
-            "raw_instructions": {"config": {"max_train_samples": None, "max_heldout": 0}},
+            "raw_instructions": {"config": {"max_train_samples": None, "heldout_fraction": 0.0}},
             "proxy_embeddings": {"config": {"max_length": args.max_length, **embed}},
         }
         start = time.perf_counter()
@@ -88,10 +88,10 @@ def main() -> None:
             e for e in result.all_events if e.is_step_success and e.step_key == "proxy_embeddings"
         )
         return {
-            "embedded_now": int(meta["samples_embedded_now"]),
-            "reused": int(meta["samples_reused"]),
-            "pass_s": float(meta["embedding_seconds"]),
-            "step_s": step.event_specific_data.duration_ms / 1000,  # pyright: ignore[reportAttributeAccessIssue]
+            "embedded_now": int(str(meta["samples_embedded_now"])),
+            "reused": int(str(meta["samples_reused"])),
+            "pass_s": float(str(meta["embedding_seconds"])),
+            "step_s": step.step_success_data.duration_ms / 1000,
             "run_s": wall,
         }
 

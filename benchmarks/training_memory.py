@@ -5,19 +5,24 @@
 1. SmolLM2-135M-Instruct (the built-in model), 2 ranks under torchrun on the CPU, the same
    --steps optimizer steps on the same 2 x 8 python_stdlib samples with parallelism ddp, then
    fsdp: each rank's peak resident memory (``ru_maxrss``, recorded in ``training_info.json``)
-   and the ratio FSDP / DDP (target <= 0.65).
+   and the ratio FSDP / DDP (target <= 0.65). Beside each: the pre-launch estimate
+   (``check_training_memory`` with ``activation_bytes``) and every rank's RSS and peak RSS at
+   the points training.train marks (model loaded, wrapped, shards loaded, step 1, trained,
+   gathered for export).
 2. A randomly initialised Llama of about 0.9B parameters (SmolLM2's tokenizer, 18 layers of width
-   2,048): the pre-launch estimate refuses DDP on this machine (16 bytes per parameter per rank),
-   then FSDP2 at 2 ranks trains --steps steps; its peak memory per rank and seconds per step are
-   printed. No CPU offload is used.
+   2,048): the pre-launch estimate refuses DDP on this machine (16 bytes per parameter per rank
+   plus activations), then FSDP2 at 2 ranks trains --steps steps; its peak memory per rank and
+   seconds per step are printed. No CPU offload is used.
 
-Takes about 15 minutes on a 2-core, 24 GiB machine (most of it the 0.9B model's steps).
+Takes about 5 minutes on an idle 2-core, 24 GiB machine (1 for part 1); part 2 needs about
+20 GiB free.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,10 +53,27 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
         [*command, "--config", str(work / f"{name}.json")], capture_output=True, text=True
     )
     if done.returncode != 0:
-        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+        # Both ranks write to stderr: the first failure may lie far above the end.
+        log = work / f"{name}.stderr"
+        log.write_text(done.stderr)
+        sys.exit(f"{name} failed (all of stderr: {log}):\n{done.stderr[-3000:]}")
     info = json.loads((out / "training_info.json").read_text())
     info["wall_seconds"] = time.perf_counter() - start
     return info
+
+
+def print_breakdown(info: dict) -> None:
+    """Each rank's resident memory (VmRSS) and its high-water mark (VmHWM) at the points of the
+    run that training.train marks (``memory_per_rank`` in training_info.json), in GiB."""
+    ranks = info.get("memory_per_rank") or []
+    if not ranks:
+        return
+    for r, marks in enumerate(ranks):
+        cells = ", ".join(
+            f"{m['label']} {m['rss_mib'] / 1024:.2f} (peak {m['peak_rss_mib'] / 1024:.2f})"
+            for m in marks
+        )
+        print(f"        rank {r} RSS GiB: {cells}")
 
 
 def main() -> None:
@@ -59,7 +81,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M comparison")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the work folder (checkpoints: 5 GB with the 1B)"
+    )
     args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="training_memory_"))
+    compare(args, work)
+    # A failed run exits above and keeps the folder, with the ranks' stderr in it.
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, work: Path) -> None:
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -72,12 +105,12 @@ def main() -> None:
     from cluster_pipeline.training.config import Parallelism, TrainSettings
     from cluster_pipeline.training.parallel import (
         TrainingMemoryError,
+        activation_bytes,
         available_bytes_per_rank,
         check_training_memory,
         parameter_count,
     )
 
-    work = Path(tempfile.mkdtemp(prefix="training_memory_"))
     smol = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     frame, _ = build_instruction_table(iter_stdlib_samples(), 0.0, None, 16, seed=0)
     table = write_table(frame, work / "raw")
@@ -108,13 +141,20 @@ def main() -> None:
     )
     peaks = {}
     modes: tuple[Parallelism, ...] = ("ddp", "fsdp")
+    n_smol = parameter_count(smol)
     for mode in modes:
+        acts = activation_bytes(smol, settings(mode))
+        need = check_training_memory(n_smol, settings(mode), 2, 2**62, activations=acts)
         info = train(work, f"smol_{mode}", smol, table, manifests, settings(mode))
         peaks[mode] = info["peak_rss_bytes_per_rank"]
         print(
             f"  {mode:>4}: peak RSS per rank {[round(b / GIB, 2) for b in peaks[mode]]} GiB, "
-            f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s"
+            f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s; "
+            f"pre-launch estimate {need / GIB:.2f} GiB ({acts / GIB:.2f} of it activations; "
+            f"the process itself not counted), measured peak - estimate "
+            f"{(max(peaks[mode]) - need) / GIB:.2f} GiB"
         )
+        print_breakdown(info)
     ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
     print(f"  FSDP / DDP peak RSS per rank: {ratio:.3f} (target <= 0.65)")
     if args.skip_1b:
@@ -142,18 +182,22 @@ def main() -> None:
         f" 2 ranks; {available / GIB:.1f} GiB available per rank now"
     )
     try:
-        check_training_memory(n, settings("ddp"), 2, available)
+        acts = activation_bytes(str(big), settings("ddp"))
+        check_training_memory(n, settings("ddp"), 2, available, activations=acts)
         print("  ddp: the estimate fits this machine: not refused")
     except TrainingMemoryError as e:
         print(f"  ddp: refused before launch: {e}")
-    need = check_training_memory(n, settings("fsdp"), 2, available)
+    acts = activation_bytes(str(big), settings("fsdp"))
+    need = check_training_memory(n, settings("fsdp"), 2, available, activations=acts)
     info = train(work, "big_fsdp", str(big), table, manifests, settings("fsdp"))
     print(
-        f"  fsdp: estimate {need / GIB:.1f} GiB per rank; peak RSS per rank "
+        f"  fsdp: estimate {need / GIB:.1f} GiB per rank ({acts / GIB:.2f} of it activations); "
+        f"peak RSS per rank "
         f"{[round(b / GIB, 2) for b in info['peak_rss_bytes_per_rank']]} GiB; {info['steps']} "
         f"steps in {info['train_seconds']:.0f} s ({info['train_seconds'] / info['steps']:.0f} s "
         f"per step), final loss {info['final_loss']:.3f}, wall {info['wall_seconds']:.0f} s"
     )
+    print_breakdown(info)
 
 
 if __name__ == "__main__":

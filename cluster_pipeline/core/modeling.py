@@ -9,6 +9,7 @@ reads that (about 1 s). Any other Hugging Face model folder or hub id is used as
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -108,12 +109,58 @@ def load_model_and_tokenizer(model_path: str, dtype=None, device: str = "cpu"):
     always masked, so the choice does not change any result.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
     model = model.to(device)  # pyright: ignore[reportArgumentType]  (stubs type .to as generate's)
     model.eval()
     return model, tokenizer
+
+
+def load_tokenizer(model_path: str):
+    """The model's tokenizer, with ``pad_token = eos_token`` when it has no pad token (padding
+    positions are always masked, so the choice does not change any result)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def safetensors_files(model_path: str) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file holding it, for a local ``save_pretrained`` folder
+    (``model.safetensors``, or the shards a ``model.safetensors.index.json`` maps); None for a
+    hub id or a folder without safetensors weights."""
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def empty_model(model_path: str):
+    """The model at ``model_path`` built from its config with every parameter on the meta device
+    (no memory, no values; float32 once materialised) and its buffers (rotary frequencies)
+    computed on the CPU; input and output embeddings tied as the config says. Training mode.
+    For loading weights after sharding (parallel.load_into_shards)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=torch.float32
+        )
+    # accelerate re-creates each parameter assigned under its context, which undoes the tie of
+    # lm_head to embed_tokens that from_config made: tie again, outside it.
+    model.tie_weights()
+    return model

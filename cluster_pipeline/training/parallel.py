@@ -8,11 +8,16 @@ reduce-scatter), so one step follows sum_c (n_c / N) g_c either way.
 Memory per rank for full fine-tuning with AdamW in float32 (weights 4 + gradients 4 + Adam's two
 moments 8 bytes per parameter, activations aside; the ZeRO paper's accounting, Rajbhandari et
 al. 2020, section 3.1): DDP holds 16 bytes x P on every rank, FSDP2 16 x P / world size.
+Activations (:func:`activation_bytes`) and the process itself are the same on every rank under
+both. For FSDP2 to hold only its shards from the start, the model is built on the meta device,
+sharded, and each rank reads its own rows of the weights (:func:`load_into_shards`); the
+optimizer is created after that, so AdamW's moments are sharded too.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,10 @@ ADAPTER_DIR = "adapter"  # the LoRA adapter, beside the merged weights of a chec
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name for adapter weights
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files of an FSDP intermediate checkpoint
 BYTES_PER_PARAMETER = {"weights": 4, "gradients": 4, "adam": 8}
+# Values a transformer layer keeps for backward per token and hidden unit: 34 bytes in 16-bit
+# (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+# section 4.1, eq. 1, without its 5as/h term: fused attention keeps no score matrix).
+ACTIVATION_VALUES_PER_HIDDEN = 17
 
 
 def apply_lora(model, cfg: TrainSettings):
@@ -72,6 +81,98 @@ def wrap(model, cfg: TrainSettings, device: torch.device):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+class SafetensorsRows:
+    """Reads row ranges of the tensors in safetensors files with plain reads, not ``mmap``:
+    pages of a mapped file count in the reader's resident memory (and its peak) until it is
+    unmapped, read pages do not. Format: an 8-byte little-endian header length, a JSON header
+    giving each tensor's dtype, shape and byte offsets, then the data, row-major
+    (huggingface/safetensors, README "Format")."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
+        """(file, byte offset of the tensor's data, its header entry)."""
+        import json
+        import struct
+
+        if name not in self.files:
+            raise KeyError(f"the checkpoint has no tensor {name!r} for the model's parameter")
+        file = self.files[name]
+        if file not in self.headers:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self.headers[file] = (8 + length, json.loads(f.read(length)))
+        data_start, header = self.headers[file]
+        meta = header[name]
+        return file, data_start + meta["data_offsets"][0], meta
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entry(name)[2]["shape"])
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Copy rows ``start : start + out.shape[0]`` of tensor ``name`` into ``out`` (a
+        CPU or GPU tensor of the tensor's trailing shape, any float dtype)."""
+        file, offset, meta = self.entry(name)
+        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+        row_bytes = math.prod(meta["shape"][1:]) * dtype.itemsize
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=dtype)
+        with open(file, "rb", buffering=0) as f:
+            f.seek(offset + start * row_bytes)
+            f.readinto(buffer.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
+        if not direct:
+            out.copy_(buffer)
+
+
+@torch.no_grad()
+def load_into_shards(model, files: dict[str, Path], device: torch.device) -> None:
+    """Fill the parameters of a model built on the meta device (``modeling.empty_model``) and
+    sharded with :func:`wrap`, each rank reading from the safetensors ``files`` (tensor name ->
+    file) only the rows of its own shard (:class:`SafetensorsRows`): no rank ever holds the
+    full weights, only its shards. Buffers keep the values they were built with. Works
+    unsharded too (every row). What torchtune's ``load_from_full_model_state_dict`` does,
+    without a full state dict on rank 0 to scatter from.
+
+    Raises:
+        KeyError: a parameter of the model has no tensor in ``files``.
+        ValueError: a tensor's shape differs from its parameter's, or a parameter is sharded
+            otherwise than FSDP2's default (rows, dim 0).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    reader = SafetensorsRows(files)
+    for name, param in model.named_parameters():
+        if reader.shape(name) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: {reader.shape(name)} in the checkpoint, {tuple(param.shape)} in the model"
+            )
+        local, start = param, 0
+        if isinstance(param, DTensor):
+            if tuple(param.placements) != (Shard(0),):
+                raise ValueError(f"{name} is sharded as {param.placements}, not by rows")
+            local = param.to_local()
+            rows = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's chunk size
+            start = param.device_mesh.get_local_rank() * rows
+        if local.numel():
+            reader.read_into(name, start, local)
 
 
 def is_fsdp(module) -> bool:
@@ -226,6 +327,28 @@ def training_bytes_per_rank(
     return total // world_size if parallelism == "fsdp" else total
 
 
+def activation_bytes(model_path: str, cfg: TrainSettings) -> int:
+    """Estimated bytes of activations one rank keeps for backward, the same under DDP and
+    FSDP2 (each rank runs its own micro-batch), a stated approximation: tokens per micro-batch
+    (``per_device_batch_size`` x ``max_length``, an upper bound: batches are padded to their
+    longest sample) x 4 bytes x (layers x hidden x :data:`ACTIVATION_VALUES_PER_HIDDEN`, the
+    layers' activations, + 2 x vocabulary, the float32 logits and the log-softmax the loss
+    keeps). With gradient checkpointing the layers keep only their inputs (hidden values per
+    token) and one layer at a time its full activations. Measured on SmolLM2-135M at 2 x 128
+    tokens: 0.37 GiB estimated, about 0.3 GiB of RSS growth in the forward pass besides FSDP2's
+    gathered embedding (benchmarks/RESULTS.md, training_memory)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    tokens = cfg.per_device_batch_size * cfg.max_length
+    per_layer = ACTIVATION_VALUES_PER_HIDDEN * hidden
+    values = (
+        layers * hidden + per_layer if cfg.gradient_checkpointing else layers * per_layer
+    ) + 2 * config.vocab_size
+    return tokens * values * 4
+
+
 class TrainingMemoryError(RuntimeError):
     """The estimated training memory per rank exceeds what the machine has."""
 
@@ -244,10 +367,16 @@ def available_bytes_per_rank(local_ranks: int) -> int:
 
 
 def check_training_memory(
-    n_parameters: int, cfg: TrainSettings, world_size: int, available_per_rank: int
+    n_parameters: int,
+    cfg: TrainSettings,
+    world_size: int,
+    available_per_rank: int,
+    activations: int = 0,
 ) -> int:
     """The estimated bytes per rank (:func:`training_bytes_per_rank`; LoRA counts no trainable
-    parameters), checked against ``available_per_rank``.
+    parameters) plus ``activations`` (:func:`activation_bytes`; 0: left aside), checked against
+    ``available_per_rank``. The process itself (Python, torch, the tokenizer: about 0.5 GiB on
+    the CPU) is not counted.
 
     Raises:
         TrainingMemoryError: the estimate exceeds ``available_per_rank``; the message gives
@@ -255,20 +384,29 @@ def check_training_memory(
     """
     trainable = 0 if cfg.lora_r else n_parameters
     need = training_bytes_per_rank(n_parameters, trainable, cfg.parallelism, world_size)
+    need += activations
     if need > available_per_rank:
         gib = 2**30
         ways = []
         if cfg.parallelism != "fsdp" and world_size > 1:
             fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
+            fsdp += activations
             ways.append(f"parallelism: fsdp ({fsdp / gib:.1f} GiB per rank)")
         if not cfg.lora_r:
             lora = training_bytes_per_rank(n_parameters, 0, cfg.parallelism, world_size)
+            lora += activations
             ways.append(f"lora_r > 0 ({lora / gib:.1f} GiB per rank)")
         ways.append("more ranks" if cfg.parallelism == "fsdp" else "a machine with more memory")
         raise TrainingMemoryError(
             f"training needs about {need / gib:.1f} GiB per rank ({n_parameters / 1e6:.0f}M "
             f"parameters, parallelism {cfg.parallelism}{', LoRA' if cfg.lora_r else ''}, "
-            f"{world_size} ranks; activations aside) but {available_per_rank / gib:.1f} GiB is "
+            f"{world_size} ranks; "
+            + (
+                f"{activations / gib:.1f} GiB of it activations"
+                if activations
+                else "activations aside"
+            )
+            + f") but {available_per_rank / gib:.1f} GiB is "
             f"available per rank; use {', or '.join(ways)}"
         )
     return need

@@ -59,7 +59,12 @@ from cluster_pipeline.core.checkpoints import (
 )
 from cluster_pipeline.core.datasets import TRAINING_COLUMNS, read_instructions
 from cluster_pipeline.core.gradients import cosine_matrix, count_sketch, mean_offdiagonal
-from cluster_pipeline.core.modeling import load_model_and_tokenizer
+from cluster_pipeline.core.modeling import (
+    empty_model,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    safetensors_files,
+)
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_rows
 from cluster_pipeline.training.config import TrainJob, TrainSettings
@@ -69,6 +74,7 @@ from cluster_pipeline.training.distributed import (
     all_gather_floats,
     run_entry_point,
 )
+from cluster_pipeline.training.memory import MemoryTrace, limit_heap_fragmentation
 from cluster_pipeline.training.parallel import (
     SHARDED_DIR,
     adapter_config,
@@ -78,6 +84,7 @@ from cluster_pipeline.training.parallel import (
     gradient_sync,
     is_fsdp,
     load_adapter,
+    load_into_shards,
     load_sharded,
     save_adapter,
     save_sharded,
@@ -209,6 +216,7 @@ class TrainRun:
     plan: list[tuple[int, list[np.ndarray]]]
     manifest_hashes: list[str]
     resumed_from: Path | None
+    memory: MemoryTrace
     step: int = 0
     tokens_seen: int = 0
     start: float = 0.0
@@ -247,6 +255,9 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
             step counts, or a resume checkpoint trained on other manifests.
     """
     cfg = job.settings
+    limit_heap_fragmentation()
+    memory = MemoryTrace()
+    memory.mark("start")
     if env.world_size != len(job.manifests):
         raise ValueError(
             f"world size {env.world_size} != {len(job.manifests)} shard manifests: launch "
@@ -268,9 +279,17 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     # DDP resumes from the full weights saved with the state; FSDP from its sharded files and
     # LoRA from the adapter, both over the base model.
     full_resume = resume is not None and cfg.parallelism == "ddp" and not cfg.lora_r
-    model, tokenizer = load_model_and_tokenizer(
-        str(resume) if full_resume else job.model_path, device=str(env.device)
-    )
+    # FSDP2 without adapters builds the model empty, shards it, then reads each rank's rows
+    # (load_into_shards): no rank holds the full weights. LoRA and DDP load them whole.
+    files = safetensors_files(job.model_path) if cfg.parallelism == "fsdp" else None
+    shard_load = files is not None and not cfg.lora_r and dist.is_initialized()
+    if shard_load:
+        model, tokenizer = empty_model(job.model_path), load_tokenizer(job.model_path)
+    else:
+        model, tokenizer = load_model_and_tokenizer(
+            str(resume) if full_resume else job.model_path, device=str(env.device)
+        )
+    memory.mark("model built" if shard_load else "model loaded")
     model.train()
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -283,6 +302,10 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     rows = load_shard_samples(job, manifest)
     encoded = encode_rows(tokenizer, rows, cfg)
     ddp_model = wrap(model, cfg, env.device)
+    memory.mark("wrapped")
+    if shard_load and files is not None:
+        load_into_shards(model, files, env.device)
+        memory.mark("shards loaded")
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=cfg.learning_rate,
@@ -304,6 +327,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         plan=step_plan(len(encoded), cfg, steps),
         manifest_hashes=manifest_hashes,
         resumed_from=resume,
+        memory=memory,
     )
     elapsed_before = 0.0
     if resume is not None:
@@ -322,6 +346,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         run.step, run.tokens_seen = state["step"], state["tokens"]
         elapsed_before, run.history = state["elapsed_seconds"], state["history"]
     run.start = time.time() - elapsed_before
+    memory.mark("set up")
     return run
 
 
@@ -385,6 +410,8 @@ def train_step(run: TrainRun) -> dict[str, Any]:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    if run.step == 1:  # the optimizer's state exists from its first step on
+        run.memory.mark("step 1")
     gathered = all_gather_floats([float(np.mean(losses)), float(tokens), time.time() - t0], env)
     run.tokens_seen += int(sum(g[1] for g in gathered))
     entry = {
@@ -441,7 +468,12 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     job = run.job
     plain = not is_fsdp(run.ddp_model) and not run.settings.lora_r
     # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
+    run.memory.mark("trained")
+    if not plain:  # AdamW's moments are done with: free them before gathering the weights
+        run.optimizer.state.clear()
     state = None if plain else full_state_dict(run.model)
+    run.memory.mark("gathered for export")
+    memory = _gather_objects(run.memory.marks, run.env)
     # Peak resident memory of each rank so far (Linux reports ru_maxrss in KiB).
     peak_rss = [
         int(g[0])
@@ -467,6 +499,7 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
             "peak_rss_bytes_per_rank": peak_rss,
+            "memory_per_rank": memory,
         }
         if state is None:
             save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)

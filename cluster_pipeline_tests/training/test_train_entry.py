@@ -370,3 +370,23 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
     wrapped: Any = model
     base = wrapped.get_base_model() if lora_r else wrapped
     assert base.config.tie_word_embeddings is True
+
+
+def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
+    """Hand-checked: 2 x 128 tokens x 4 bytes x (30 layers x 576 x 17 + 2 x 49152 logits) for
+    SmolLM2-135M's shape; with gradient checkpointing 30 layer inputs + one layer's 17; and it
+    is added to the estimate the check compares."""
+    from transformers import LlamaConfig
+
+    from cluster_pipeline.training.parallel import activation_bytes, check_training_memory
+
+    LlamaConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, intermediate_size=1536
+    ).save_pretrained(tmp_path)
+    cfg = TrainSettings(per_device_batch_size=2, max_length=128)
+    assert activation_bytes(str(tmp_path), cfg) == 256 * 4 * (30 * 576 * 17 + 2 * 49152)
+    checkpointed = cfg.model_copy(update={"gradient_checkpointing": True})
+    assert activation_bytes(str(tmp_path), checkpointed) == 256 * 4 * (
+        30 * 576 + 576 * 17 + 2 * 49152
+    )
+    assert check_training_memory(10**6, cfg, 2, 2**40, activations=123) == 16 * 10**6 + 123

@@ -22,6 +22,7 @@ from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
 from cluster_pipeline.training.parallel import (
     TrainingMemoryError,
+    activation_bytes,
     available_bytes_per_rank,
     check_training_memory,
     parameter_count,
@@ -72,8 +73,8 @@ def trained_checkpoint(
         )
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
-    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW).
-    # Slurm's nodes are not this machine: their memory is not known here, only estimated.
+    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW,
+    # activations). Slurm's nodes are not this machine: their memory is only estimated.
     available = (
         sys.maxsize
         if torchrun.launcher == "slurm"
@@ -81,7 +82,11 @@ def trained_checkpoint(
     )
     try:
         memory_per_rank = check_training_memory(
-            parameter_count(model_path), settings, shards.world_size, available
+            parameter_count(model_path),
+            settings,
+            shards.world_size,
+            available,
+            activations=activation_bytes(model_path, settings),
         )
     except TrainingMemoryError as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
