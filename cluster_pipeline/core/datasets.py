@@ -17,6 +17,7 @@ import polars as pl
 
 from cluster_pipeline.core.formats import (
     FIELDS_CONFIG_NAME,
+    SUPPORTED_SUFFIXES,
     Sample,
     data_files,
     read_dataset_folder,
@@ -71,13 +72,22 @@ def discover_datasets(raw_dir: Path) -> list[str]:
 
 
 def refused_datasets(raw_dir: Path) -> dict[str, str]:
-    """Folders with data files that cannot be partitions, with the reason."""
+    """Folders under ``raw_dir`` that are not partitions, with the reason: data files under a
+    name that cannot be a partition key, or a (visible) folder without data files."""
     out = {}
     for c in _data_folders(raw_dir):
         reason = dataset_name_problem(c.name)
         if reason is not None:
             out[c.name] = reason
-    return out
+    if raw_dir.is_dir():
+        files = ", ".join(SUPPORTED_SUFFIXES)
+        for c in sorted(raw_dir.iterdir()):
+            if c.is_dir() and not c.name.startswith(".") and not data_files(c):
+                out[c.name] = (
+                    f"{c} holds no {files} file (eval.json and fields.json are settings, not "
+                    "data); put the dataset's files there"
+                )
+    return dict(sorted(out.items()))
 
 
 def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:

@@ -145,12 +145,45 @@ class EmbeddingTable:
     truncated: dict[str, int]
 
 
+class CacheUnreadable(RuntimeError):
+    """The per-sample cache's files are damaged (deleted, truncated or edited by hand)."""
+
+
+def _unreadable(cache_dir: Path, e: BaseException) -> CacheUnreadable:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CacheUnreadable(
+        f"the embedding cache {cache_dir / CACHE_TABLE} cannot be read ({type(e).__name__}: "
+        f"{first[:300]}); re-run proxy_embeddings with recompute: true to rebuild it (the cache "
+        "is replaced only once the new pass has finished; the proxy_embeddings table is "
+        "untouched)"
+    )
+
+
+def _read_cache(cache_dir: Path, read):
+    """``read()`` on the cache table, its failures (Python errors and the Rust panics of a
+    damaged Delta table, which pyo3 raises as BaseException) as :class:`CacheUnreadable`."""
+    try:
+        return read()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (pyo3's PanicException is a BaseException)
+        raise _unreadable(cache_dir, e) from e
+
+
 def pending_ids(cache_dir: Path, sample_ids: list[str]) -> list[str]:
-    """The ``sample_ids`` (in their order) the cache folder has no embedding for."""
+    """The ``sample_ids`` (in their order) the cache folder has no embedding for.
+
+    Raises:
+        CacheUnreadable: the cache table is damaged.
+    """
     table = cache_dir / CACHE_TABLE
     if not (table / "_delta_log").exists():
         return list(sample_ids)
-    cached = set(pl.read_delta(str(table), columns=["sample_id"])["sample_id"].to_list())
+    cached = set(
+        _read_cache(cache_dir, lambda: pl.read_delta(str(table), columns=["sample_id"]))[
+            "sample_id"
+        ].to_list()
+    )
     return [s for s in sample_ids if s not in cached]
 
 
@@ -162,32 +195,60 @@ def write_pass_ids(pass_dir: Path, sample_ids: list[str]) -> Path:
     return path
 
 
-def store_pass(cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int) -> None:
-    """Append a finished pass's chunks to the cache table (one Delta commit, so a crash leaves
-    the cache as it was or with the whole pass), log its stats, and remove its folder.
+def store_pass(
+    cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int, replace: bool = False
+) -> None:
+    """Add a finished pass's chunks to the cache table, log its stats, and remove its folder.
+
+    Appending is one Delta commit, so a crash leaves the cache as it was or with the whole
+    pass. ``replace``: the pass becomes the whole cache (``recompute``); the new table is
+    written beside the old one and swapped in, so a failure before this point, or a damaged
+    old table, loses nothing that was readable.
 
     Raises:
         FileNotFoundError / ValueError: as :func:`gather_chunks`.
+        CacheUnreadable: appending to a damaged cache table failed.
     """
     import shutil
 
     chunks = gather_chunks(pass_dir, sample_ids, chunk_size)
-    chunks.write_delta(str(cache_dir / CACHE_TABLE), mode="append")
-    stats = read_pass_stats(pass_dir)
-    with (cache_dir / PASS_LOG).open("a") as f:
-        f.write(json.dumps(stats) + "\n")
+    table, log = cache_dir / CACHE_TABLE, cache_dir / PASS_LOG
+    stats = json.dumps(read_pass_stats(pass_dir)) + "\n"
+    if replace:
+        fresh, old = cache_dir / f"{CACHE_TABLE}.new", cache_dir / f"{CACHE_TABLE}.old"
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+        chunks.write_delta(str(fresh))
+        if table.exists():
+            table.rename(old)
+        fresh.rename(table)
+        shutil.rmtree(old, ignore_errors=True)
+        log.write_text(stats)
+    else:
+        _read_cache(cache_dir, lambda: chunks.write_delta(str(table), mode="append"))
+        with log.open("a") as f:
+            f.write(stats)
     shutil.rmtree(pass_dir, ignore_errors=True)
 
 
 def cached_pass_stats(cache_dir: Path) -> dict[str, float]:
     """Totals over every pass logged in a cache folder: samples, tokens, seconds (each pass's
-    slowest rank), passes. {} before the first pass."""
+    slowest rank), passes. {} before the first pass. Lines that are not JSON objects (a log
+    edited by hand) are left out: the figures are informative, not needed."""
     path = cache_dir / PASS_LOG
     if not path.exists():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
     totals = {
-        key: float(sum(r.get(key, 0.0) for r in rows)) for key in ("samples", "tokens", "seconds")
+        key: float(sum(float(r.get(key, 0.0)) for r in rows))
+        for key in ("samples", "tokens", "seconds")
     }
     return {**totals, "passes": float(len(rows))}
 
@@ -197,16 +258,20 @@ def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:
 
     Raises:
         FileNotFoundError: some samples have no cached row (names how many and one of them).
+        CacheUnreadable: the cache table is damaged.
     """
     wanted = pl.DataFrame({"sample_id": sample_ids}, schema={"sample_id": pl.String})
     table = cache_dir / CACHE_TABLE
     if not (table / "_delta_log").exists():
         raise FileNotFoundError(f"{cache_dir}: no embeddings cached yet")
-    cached = (
-        pl.scan_delta(str(table))
-        .join(wanted.lazy(), on="sample_id", how="semi")
-        .unique("sample_id", keep="last", maintain_order=True)
-        .collect()
+    cached = _read_cache(
+        cache_dir,
+        lambda: (
+            pl.scan_delta(str(table))
+            .join(wanted.lazy(), on="sample_id", how="semi")
+            .unique("sample_id", keep="last", maintain_order=True)
+            .collect()
+        ),
     )
     frame = wanted.join(cached, on="sample_id", how="left", maintain_order="left")
     missing = frame.filter(pl.col("n_tokens").is_null())["sample_id"]

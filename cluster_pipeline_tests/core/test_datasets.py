@@ -132,9 +132,19 @@ def test_every_partition_key_dagster_accepts_is_a_dataset(tmp_path):
         (raw / name).mkdir(parents=True)
         (raw / name / "d.jsonl").write_text('{"problem": "a", "solution": "b"}\n')
     assert discover_datasets(raw) == ["python_stdlib", "données", "my data"]
+    (raw / "empty").mkdir()
+    (raw / "notes_only").mkdir()
+    (raw / "notes_only" / "notes.txt").write_text("not data")
+    (raw / ".cache").mkdir()  # hidden and empty: not a dataset, and no reason to say so
+    no_data = (
+        "holds no .json, .jsonl, .parquet, .arrow file (eval.json and fields.json are "
+        "settings, not data); put the dataset's files there"
+    )
     assert refused_datasets(raw) == {
         ".hidden": "hidden folders (name starting with '.') are not datasets",
         "a...b": "Dagster partition keys cannot contain '...'; rename the folder",
+        "empty": f"{raw / 'empty'} {no_data}",
+        "notes_only": f"{raw / 'notes_only'} {no_data}",
         "python_stdlib": "'python_stdlib' is the built-in dataset's name; rename the folder",
     }
     # The same rule as Dagster's own check (core/ does not import dagster, so it keeps a copy).

@@ -1,6 +1,5 @@
 """Stage 1: the gradient-proxy embedding of every training sample, a torchrun step."""
 
-import shutil
 import time
 
 import dagster as dg
@@ -17,6 +16,7 @@ from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 from cluster_pipeline.training.embed import (
     CHUNK_FORMAT,
+    CacheUnreadable,
     assemble_table,
     cached_pass_stats,
     chunks_done,
@@ -44,8 +44,8 @@ class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
     )
     recompute: bool = Field(
         default=False,
-        description="Drop the embeddings cached for this model and these settings and "
-        "embed every sample again.",
+        description="Embed every sample again and replace the cache of this model and these "
+        "settings with the result (the old cache is kept until the new pass has finished).",
     )
 
 
@@ -78,15 +78,17 @@ def proxy_embeddings(
     # new data embeds only the new samples (training/embed.py, "Per-sample cache").
     key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT)
     cache_dir = layout.embedding_cache_dir(dataset, key)
-    if config.recompute:
-        shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if config.world_size % torchrun.agents:
         raise dg.Failure(
             f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
             "agents (nodes): make it a multiple"
         )
-    pending = pending_ids(cache_dir, sample_ids)
+    try:
+        # recompute: every sample, and the cache replaced only once the pass has finished.
+        pending = list(sample_ids) if config.recompute else pending_ids(cache_dir, sample_ids)
+    except CacheUnreadable as e:
+        raise dg.Failure(f"{dataset}: {e}") from e
     pass_seconds, pass_tokens = 0.0, 0.0
     if pending:
         # The pass folder is named by its samples, so a killed pass resumes its chunks.
@@ -117,13 +119,17 @@ def proxy_embeddings(
         stats = read_pass_stats(pass_dir)
         pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
         try:
-            store_pass(cache_dir, pass_dir, pending, settings.chunk_size)
+            store_pass(cache_dir, pass_dir, pending, settings.chunk_size, config.recompute)
+        except CacheUnreadable as e:
+            raise dg.Failure(f"{dataset}: {e}") from e
         except (FileNotFoundError, ValueError) as e:
             raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     else:
         context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
     try:
         result = assemble_table(read_cached(cache_dir, sample_ids))
+    except CacheUnreadable as e:
+        raise dg.Failure(f"{dataset}: {e}") from e
     except FileNotFoundError as e:
         raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     except ValueError as e:
