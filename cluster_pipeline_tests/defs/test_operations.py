@@ -158,7 +158,8 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path):
         ).success
     cases = {
         ("datasets", "sync", "--require", "empty", *d): (
-            f"cluster-pipeline datasets: error: dataset 'empty': {data / 'raw' / 'empty'} holds "
+            "cluster-pipeline datasets: error: dataset 'empty' cannot be registered: "
+            f"{data / 'raw' / 'empty'} holds "
             "no .json, .jsonl, .parquet, .arrow file (eval.json and fields.json are settings, "
             "not data); put the dataset's files there.\n"
         ),
