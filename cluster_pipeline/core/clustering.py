@@ -413,6 +413,7 @@ def cluster_stream(
     whole = n_rows <= max_train_points
     wanted = None if whole else np.sort(rng.choice(n_rows, size=max_train_points, replace=False))
     sample_parts: list[np.ndarray] = []
+    sample_rows: list[np.ndarray] = []
     sample_id_parts: list[pl.Series] = []
     bad_ids: list[pl.Series] = []
     total = None
@@ -429,6 +430,8 @@ def cluster_stream(
             take[wanted[lo:hi] - seen] = True
             take &= finite
         sample_parts.append(x[take])
+        # Where the sampled rows fall among the finite rows, for streams without ids.
+        sample_rows.append(n + np.flatnonzero(take[finite]))
         sample_id_parts.append(
             ids.filter(pl.Series(take))
             if ids is not None
@@ -493,6 +496,9 @@ def cluster_stream(
     )
     if whole:
         sample_labels = labels
+    elif ids_all.null_count():
+        # No ids (an in-memory stream): both passes yield the same rows in the same order.
+        sample_labels = labels[np.concatenate(sample_rows)]
     else:
         # Rows are matched by id: the two passes need not yield batches in one order.
         position = (

@@ -121,6 +121,21 @@ def test_a_two_pass_stream_clusters_like_the_matrix_it_streams():
     rows = [int(s[1:]) for s in a.kmeans_sample_ids.to_list()]
     np.testing.assert_array_equal(a.kmeans_sample, x[rows])
     np.testing.assert_array_equal(a.kmeans_sample_labels, a.result.labels[rows])
+    # Without ids (and with a NaN row left out) the sample's labels come by position.
+    y = x.copy()
+    y[5] = np.nan
+    c = cluster_stream(
+        lambda: ((None, y[lo : lo + 700]) for lo in range(0, len(y), 700)),
+        len(y),
+        3,
+        seed=2,
+        max_train_points=500,
+    )
+    finite_rows = np.delete(np.arange(len(y)), 5)
+    picked = [int(np.flatnonzero((y == row).all(axis=1))[0]) for row in c.kmeans_sample]
+    np.testing.assert_array_equal(
+        c.kmeans_sample_labels, c.result.labels[np.searchsorted(finite_rows, picked)]
+    )
     assert a.result.sizes.max() <= a.result.cap == 1000 and a.result.sizes.sum() == 3000
 
 
