@@ -47,6 +47,8 @@ Batches = Callable[[], Iterable[tuple[pl.Series | None, np.ndarray]]]
 GAP_TOLERANCE = 1e-8
 # Samples in the two subsamples that price the clusters (pools up to this size: one flow).
 _PRICE_SAMPLE = 200_000
+# The margin a zero spread doubles from (distances are squared distances of unit vectors).
+_MIN_MARGIN = 1e-9
 # Rows per block when a (b, K) temporary is formed over the distance matrix.
 _BLOCK = 1 << 20
 
@@ -272,7 +274,7 @@ def _boundary_solve(
                 return best, len(rows), margin
             except InfeasibleFlow:
                 pass
-        margin *= 2
+        margin = max(2 * margin, _MIN_MARGIN)
 
 
 def _sample_prices(sq_dist: np.ndarray, cap: int, seed: int) -> tuple[np.ndarray, float]:
@@ -329,7 +331,7 @@ def capacity_assignment(
             bound = dual_bound(sq_dist, dual_prices(sq_dist, labels, cap), cap)
             if cost - bound <= tolerance * cost or solved >= n:
                 return CapacityAssignment(labels, cost, bound, solved)
-            margin *= 2
+            margin = max(2 * margin, _MIN_MARGIN)
     cost = _cost(sq_dist, labels)
     return CapacityAssignment(labels, cost, cost, solved)
 

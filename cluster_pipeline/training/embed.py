@@ -197,8 +197,9 @@ def write_pass_ids(pass_dir: Path, sample_ids: list[str]) -> Path:
 
 def store_pass(
     cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int, replace: bool = False
-) -> None:
-    """Add a finished pass's chunks to the cache table, log its stats, and remove its folder.
+) -> dict[str, float]:
+    """Add a finished pass's chunks to the cache table, log its stats (returned:
+    :func:`read_pass_stats`), and remove its folder.
 
     Appending is one Delta commit, so a crash leaves the cache as it was or with the whole
     pass. ``replace``: the pass becomes the whole cache (``recompute``); the new table is
@@ -213,7 +214,8 @@ def store_pass(
 
     chunks = gather_chunks(pass_dir, sample_ids, chunk_size)
     table, log = cache_dir / CACHE_TABLE, cache_dir / PASS_LOG
-    stats = json.dumps(read_pass_stats(pass_dir)) + "\n"
+    stats = read_pass_stats(pass_dir)
+    line = json.dumps(stats) + "\n"
     if replace:
         fresh, old = cache_dir / f"{CACHE_TABLE}.new", cache_dir / f"{CACHE_TABLE}.old"
         shutil.rmtree(fresh, ignore_errors=True)
@@ -223,12 +225,13 @@ def store_pass(
             table.rename(old)
         fresh.rename(table)
         shutil.rmtree(old, ignore_errors=True)
-        log.write_text(stats)
+        log.write_text(line)
     else:
         _read_cache(cache_dir, lambda: chunks.write_delta(str(table), mode="append"))
         with log.open("a") as f:
-            f.write(stats)
+            f.write(line)
     shutil.rmtree(pass_dir, ignore_errors=True)
+    return stats
 
 
 def cached_pass_stats(cache_dir: Path) -> dict[str, float]:

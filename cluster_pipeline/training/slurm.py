@@ -248,6 +248,13 @@ def submit(spec: SlurmSpec, script: Path, job_dir: Path, env: Mapping[str, str])
     return out.strip().split(";")[0]  # --parsable: "<id>" or "<id>;<cluster>"
 
 
+def _parse_state(out: str) -> JobState:
+    """The first ``state|nodes|reason`` line of squeue's or sacct's output ("CANCELLED by 0"
+    -> CANCELLED; Slurm's reason "None" -> "")."""
+    state, nodes, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
+    return JobState((state.split() or [""])[0], nodes, "" if reason == "None" else reason)
+
+
 def job_state(job_id: str, job_dir: Path) -> JobState | None:
     """The job's state from ``squeue`` (which keeps finished jobs for MinJobAge), else from
     ``sacct`` (accounting, where configured), else from the exit status the batch script left in
@@ -255,16 +262,13 @@ def job_state(job_id: str, job_dir: Path) -> JobState | None:
     try:
         out = _slurm(["squeue", "-h", "-j", job_id, "--states=all", "-o", "%T|%N|%r"])
         if out.strip():
-            state, nodes, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
-            return JobState(state, nodes, "" if reason == "None" else reason)
+            return _parse_state(out)
     except SlurmError:
         pass  # "Invalid job id": slurmctld has forgotten the job
     try:
         out = _slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList,Reason"])
         if out.strip():
-            state, nodes, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
-            # "CANCELLED by 0" -> CANCELLED
-            return JobState(state.split()[0], nodes, "" if reason == "None" else reason)
+            return _parse_state(out)
     except SlurmError:
         pass  # no accounting storage on this cluster
     exit_file = job_dir / BATCH_EXIT

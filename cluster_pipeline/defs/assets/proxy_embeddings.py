@@ -23,7 +23,6 @@ from cluster_pipeline.training.embed import (
     n_chunks,
     pending_ids,
     read_cached,
-    read_pass_stats,
     read_train_split,
     store_pass,
     write_pass_ids,
@@ -116,14 +115,13 @@ def proxy_embeddings(
                 config.world_size // torchrun.agents,
                 job.dump(pass_dir / "embed_job.json"),
             )
-        stats = read_pass_stats(pass_dir)
-        pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
         try:
-            store_pass(cache_dir, pass_dir, pending, settings.chunk_size, config.recompute)
+            stats = store_pass(cache_dir, pass_dir, pending, settings.chunk_size, config.recompute)
         except CacheUnreadable as e:
             raise dg.Failure(f"{dataset}: {e}") from e
         except (FileNotFoundError, ValueError) as e:
             raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
+        pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
     else:
         context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
     try:
