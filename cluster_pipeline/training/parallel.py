@@ -53,6 +53,36 @@ def apply_lora(model, cfg: TrainSettings):
     return get_peft_model(model, config)
 
 
+def check_lora_targets(model_path: str, cfg: TrainSettings) -> None:
+    """Apply ``cfg``'s LoRA (:func:`apply_lora`, peft's own matching) to the model built on the
+    meta device, no weights read, as every rank will: a target module that matches nothing
+    fails here, before any process starts. A no-op without LoRA.
+
+    Raises:
+        ValueError: a target matches no module; names ``lora_target_modules`` and the model's
+            linear modules.
+    """
+    if not cfg.lora_r:
+        return
+    from cluster_pipeline.core.modeling import empty_model
+
+    model = empty_model(model_path)
+    try:
+        apply_lora(model, cfg)
+    except ValueError as e:
+        linear = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            }
+        )
+        raise ValueError(
+            f"lora_target_modules {cfg.lora_target_modules}: {str(e).splitlines()[0]} The "
+            f"model's linear modules are {', '.join(linear)}."
+        ) from e
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The transformer blocks of a ``transformers`` model (its ``_no_split_modules`` classes,
     e.g. ``LlamaDecoderLayer``): the units FSDP2 shards one by one."""
@@ -372,41 +402,52 @@ def check_training_memory(
     world_size: int,
     available_per_rank: int,
     activations: int = 0,
+    checkpointed_activations: int | None = None,
 ) -> int:
     """The estimated bytes per rank (:func:`training_bytes_per_rank`; LoRA counts no trainable
     parameters) plus ``activations`` (:func:`activation_bytes`; 0: left aside), checked against
-    ``available_per_rank``. The process itself (Python, torch, the tokenizer: about 0.5 GiB on
-    the CPU) is not counted.
+    ``available_per_rank``. A lower bound: the process itself (Python, torch, the tokenizer:
+    about 0.5 GiB on the CPU) is not counted.
 
     Raises:
         TrainingMemoryError: the estimate exceeds ``available_per_rank``; the message gives
-            both in GiB and the ways to fit (fsdp, LoRA, more ranks).
+            both in GiB and each way to fit with its own estimate, saying which would not fit
+            alone: fsdp, LoRA, gradient checkpointing (``checkpointed_activations``: the
+            activations with it), a smaller batch or max_length, more ranks or memory.
     """
     trainable = 0 if cfg.lora_r else n_parameters
     need = training_bytes_per_rank(n_parameters, trainable, cfg.parallelism, world_size)
     need += activations
-    if need > available_per_rank:
-        gib = 2**30
-        ways = []
-        if cfg.parallelism != "fsdp" and world_size > 1:
-            fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
-            fsdp += activations
-            ways.append(f"parallelism: fsdp ({fsdp / gib:.1f} GiB per rank)")
-        if not cfg.lora_r:
-            lora = training_bytes_per_rank(n_parameters, 0, cfg.parallelism, world_size)
-            lora += activations
-            ways.append(f"lora_r > 0 ({lora / gib:.1f} GiB per rank)")
-        ways.append("more ranks" if cfg.parallelism == "fsdp" else "a machine with more memory")
-        raise TrainingMemoryError(
-            f"training needs about {need / gib:.1f} GiB per rank ({n_parameters / 1e6:.0f}M "
-            f"parameters, parallelism {cfg.parallelism}{', LoRA' if cfg.lora_r else ''}, "
-            f"{world_size} ranks; "
-            + (
-                f"{activations / gib:.1f} GiB of it activations"
-                if activations
-                else "activations aside"
-            )
-            + f") but {available_per_rank / gib:.1f} GiB is "
-            f"available per rank; use {', or '.join(ways)}"
-        )
-    return need
+    if need <= available_per_rank:
+        return need
+    gib = 2**30
+
+    def way(setting: str, estimate: int) -> str:
+        short = "" if estimate <= available_per_rank else ", not enough alone"
+        return f"{setting} ({estimate / gib:.1f} GiB per rank{short})"
+
+    weights = need - activations
+    ways = []
+    if cfg.parallelism != "fsdp" and world_size > 1:
+        fsdp = training_bytes_per_rank(n_parameters, trainable, "fsdp", world_size)
+        ways.append(way("parallelism: fsdp", fsdp + activations))
+    if not cfg.lora_r:
+        lora = training_bytes_per_rank(n_parameters, 0, cfg.parallelism, world_size)
+        ways.append(way("lora_r > 0", lora + activations))
+    if checkpointed_activations is not None and not cfg.gradient_checkpointing:
+        ways.append(way("gradient_checkpointing: true", weights + checkpointed_activations))
+    if activations:
+        ways.append("a smaller per_device_batch_size or max_length (activations grow with both)")
+    ways.append(
+        "more ranks (balanced_clusters.num_clusters)"
+        if cfg.parallelism == "fsdp"
+        else "a machine with more memory"
+    )
+    raise TrainingMemoryError(
+        f"training needs about {need / gib:.1f} GiB per rank ({n_parameters / 1e6:.0f}M "
+        f"parameters, parallelism {cfg.parallelism}{', LoRA' if cfg.lora_r else ''}, "
+        f"{world_size} ranks; "
+        + (f"{activations / gib:.1f} GiB of it activations" if activations else "activations aside")
+        + f") but {available_per_rank / gib:.1f} GiB is available per rank; use "
+        + ", or ".join(ways)
+    )

@@ -332,10 +332,40 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
         check_training_memory(n, TrainSettings(parallelism="fsdp", lora_r=8), 2, 2**30)
     assert str(refused.value).endswith(
         "(912M parameters, parallelism fsdp, LoRA, 2 ranks; activations aside) but 1.0 GiB is "
-        "available per rank; use more ranks"
+        "available per rank; use more ranks (balanced_clusters.num_clusters)"
     )
+    # Activations dominate (2 GiB, 0.5 GiB with checkpointing): the ways say which would fit.
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(
+            10**8, TrainSettings(), 2, 3 * 2**30, 2 * 2**30, checkpointed_activations=2**29
+        )
+    assert str(refused.value) == (
+        "training needs about 3.5 GiB per rank (100M parameters, parallelism ddp, 2 ranks; "
+        "2.0 GiB of it activations) but 3.0 GiB is available per rank; use parallelism: fsdp "
+        "(2.7 GiB per rank), or lora_r > 0 (2.4 GiB per rank), or gradient_checkpointing: "
+        "true (2.0 GiB per rank), or a smaller per_device_batch_size or max_length "
+        "(activations grow with both), or a machine with more memory"
+    )
+    with pytest.raises(TrainingMemoryError, match=r"fsdp \(2.7 GiB per rank, not enough alone\)"):
+        check_training_memory(10**8, TrainSettings(), 2, int(2.6 * 2**30), 2 * 2**30)
     assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
     assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
+
+
+def test_lora_targets_that_match_no_module_are_refused_before_launch(tiny_model_dir):
+    from cluster_pipeline.training.parallel import check_lora_targets
+
+    check_lora_targets(str(tiny_model_dir), TrainSettings(lora_r=4, lora_target_modules=["q_proj"]))
+    with pytest.raises(ValueError) as refused:
+        check_lora_targets(
+            str(tiny_model_dir), TrainSettings(lora_r=4, lora_target_modules=["nope_proj"])
+        )
+    message = str(refused.value)
+    assert message.startswith("lora_target_modules ['nope_proj']: Target modules {'nope_proj'}")
+    assert message.endswith(
+        "The model's linear modules are down_proj, gate_proj, k_proj, lm_head, o_proj, "
+        "q_proj, up_proj, v_proj."
+    )
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])

@@ -24,6 +24,7 @@ from cluster_pipeline.training.parallel import (
     TrainingMemoryError,
     activation_bytes,
     available_bytes_per_rank,
+    check_lora_targets,
     check_training_memory,
     parameter_count,
 )
@@ -87,8 +88,15 @@ def trained_checkpoint(
             shards.world_size,
             available,
             activations=activation_bytes(model_path, settings),
+            checkpointed_activations=activation_bytes(
+                model_path, settings.model_copy(update={"gradient_checkpointing": True})
+            ),
         )
     except TrainingMemoryError as e:
+        raise dg.Failure(f"dataset {dataset!r}: {e}") from e
+    try:
+        check_lora_targets(model_path, settings)
+    except ValueError as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
     run_dir = storage.layout.checkpoints_dir(dataset)
     # Same manifests, sample contents, model and settings -> same folder, so a re-executed run
