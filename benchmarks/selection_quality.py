@@ -1,25 +1,39 @@
-"""Does the CluSTER subset pay off? Peripheral, core and random_global subsets of about 40 % of
-the pool against each other and against full data, several seeds, with paired intervals.
+"""Does the CluSTER subset pay off, and does its re-weighting? Peripheral subsets under the
+reference's capacity rule (alpha = 1.5, re-weighted), under exact balance (alpha = 1, every
+weight 1) and without re-weighting, beside random_global and full data, several seeds, with
+paired intervals.
 
     python benchmarks/selection_quality.py                       # both datasets, CPU-sized
     python benchmarks/selection_quality.py --datasets python_stdlib --seeds 0 1
+    python benchmarks/selection_quality.py --plan peripheral core random_global full
 
 For each dataset (the built-in ``python_stdlib`` and the shared ``gpteacher_codegen`` pool):
 a pool of --pool training samples and --heldout held-out samples (set aside first), one
-embedding pass of SmolLM2-135M-Instruct (the real gradient proxy), K = 2 balanced clusters, then
-per seed: peripheral, core and random_global at ratio --ratio (each keeps about ratio x N
-samples) and full data, each trained under ``torchrun --nproc_per_node=2`` with the same
-settings (seed = selection seed = training seed). Every checkpoint and the base model are scored
-on held-out loss (per sample, nats/token) and on the NLL of --humaneval HumanEval reference
-solutions (per problem); no generation (pass@1 is 0 for this model). Prints, per group, the
-metrics (mean ± std over seeds), selection and training seconds, the subset's gradient
-diversity and the inter-rank gradient cosine during training, then every paired comparison
-(95 % bootstrap interval over items and seeds, verdict), and writes them to --out (JSON).
+embedding pass of SmolLM2-135M-Instruct (the real gradient proxy), K = 2 clusters (once at
+alpha = 1.5, the default, and once at alpha = 1), then per seed every variant of --plan at
+ratio --ratio, and full data, each trained under ``torchrun --nproc_per_node=2`` with the same
+settings (seed = selection seed = training seed):
+
+- ``peripheral``: alpha 1.5, rank c's loss weighted by w_c = K n_c / N (the method as published);
+- ``peripheral_alpha1``: alpha 1 (exact balance, so every w_c = 1; the product's rule before
+  2026-12-02);
+- ``peripheral_noreweight``: alpha 1.5 clusters, weights 1 (``reweight: false``);
+- ``core``, ``random``: the other within-cluster selectors at alpha 1.5, re-weighted;
+- ``random_global``: the budget of the alpha-1.5 peripheral subset drawn from the whole pool;
+- ``full``: every sample.
+
+Every checkpoint and the base model are scored on held-out loss (per sample, nats/token) and on
+the NLL of --humaneval HumanEval reference solutions (per problem); no generation (pass@1 is 0
+for this model). Prints, per group, the metrics (mean ± std over seeds), selection and training
+seconds, the subset's gradient diversity and the inter-rank gradient cosine during training,
+then every paired comparison (95 % bootstrap interval over items and seeds, verdict): each group
+against random_global (same budget) and full, and ``peripheral`` against each other peripheral
+variant (does the capacity rule matter, does re-weighting pay). Writes them to --out (JSON).
 Ratios printed: training seconds against full data, measured in the same run.
 
-The defaults take about 26 minutes per dataset on an idle 2-core CPU machine, 52 for both (83
-measured on 2026-12-01 with other jobs beside them); each dataset is printed and saved as soon as
-it is done.
+The defaults (--pool 160, --heldout 160, --max-length 128, 3 seeds, 4 variants + full) train 15
+checkpoints and evaluate 16 models per dataset: about 45 minutes per dataset on an idle 2-core
+CPU machine, 90 for both; each dataset is printed and saved as soon as it is done.
 """
 
 from __future__ import annotations
@@ -35,6 +49,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 POOLS = {"gpteacher_codegen": SHARED_TRAIN / "gpteacher_codegen.json"}
+# variant -> (selector, alpha, reweight)
+VARIANTS = {
+    "peripheral": ("peripheral", 1.5, True),
+    "peripheral_alpha1": ("peripheral", 1.0, True),
+    "peripheral_noreweight": ("peripheral", 1.5, False),
+    "core": ("core", 1.5, True),
+    "random": ("random", 1.5, True),
+    "random_global": ("random_global", 1.5, True),
+}
+DEFAULT_PLAN = ["peripheral", "peripheral_alpha1", "peripheral_noreweight", "random_global"]
+
+
+def group_name(variant: str, ratio: float) -> tuple[str, dict]:
+    """The report's group name and setup of a variant (as ``core.report.model_entries`` names
+    checkpoints whose alpha or reweight setting differs)."""
+    if variant == "full":
+        return "full r=1.0", {}
+    selector, alpha, reweight = VARIANTS[variant]
+    setup: dict = {"alpha": alpha}
+    if not reweight:
+        setup["reweight"] = False
+    shown = {k: v for k, v in setup.items() if k != "alpha" or v != 1.5}
+    label = ", ".join(f"{k}={v}" for k, v in shown.items())
+    return f"{selector} r={ratio}" + (f" ({label})" if label else ""), setup
 
 
 def load_pool(name: str):
@@ -89,14 +127,18 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     )
     emb = emb.filter(pl.col("skip_reason").is_null())
     raw = series_to_matrix(emb["embedding"])
-    clusters = balanced_kmeans(l2_normalise(raw), 2, seed=0)
+    normalised = l2_normalise(raw)
+    clusters = {1.5: balanced_kmeans(normalised, 2, alpha=1.5, seed=0)}
     selection_s = time.perf_counter() - t0
+    clusters[1.0] = balanced_kmeans(normalised, 2, alpha=1.0, seed=0)
     del model
     ids = emb["sample_id"].to_numpy()
-    log(
-        f"[{name}] embedded and clustered {len(ids)} samples in {selection_s:.1f} s, "
-        f"sizes {clusters.sizes.tolist()}"
-    )
+    for alpha, c in clusters.items():
+        log(
+            f"[{name}] alpha {alpha}: k-means sizes {c.kmeans_sizes.tolist()}, after the cap "
+            f"{c.sizes.tolist()}, weights {[round(w, 4) for w in 2 * c.sizes / c.sizes.sum()]}"
+        )
+    log(f"[{name}] embedded and clustered {len(ids)} samples in {selection_s:.1f} s")
 
     settings = EvalSettings(max_length=args.max_length, generate=False, benchmarks=["humaneval"])
     suites = {"humaneval": load_humaneval(args.humaneval)}
@@ -122,12 +164,16 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         )
 
     evaluate(model_path, "base", "base")
-    plan = [(s, args.ratio) for s in ("peripheral", "core", "random_global")] + [("full", 1.0)]
+    plan = [*args.plan, "full"]
     for seed in args.seeds:
-        for selector, ratio in plan:
-            sel = select(clusters.labels, clusters.sq_distance, 2, selector, ratio, seed=seed)
-            alloc = allocate(name, ids, clusters.labels, sel, 2, seed=seed)
-            folder = work / name / f"{selector}_{seed}"
+        for variant in plan:
+            selector, alpha, reweight = VARIANTS.get(variant, ("full", 1.5, True))
+            ratio = 1.0 if variant == "full" else args.ratio
+            group, setup = group_name(variant, args.ratio)
+            c = clusters[alpha]
+            sel = select(c.labels, c.sq_distance, 2, selector, ratio, seed=seed)
+            alloc = allocate(name, ids, c.labels, sel, 2, seed=seed)
+            folder = work / name / f"{variant}_{seed}"
             paths = [str(m.write(folder / "shards")) for m in alloc.manifests]
             job = TrainJob(
                 settings=TrainSettings(
@@ -137,6 +183,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                     learning_rate=1e-4,
                     seed=seed,
                     grad_cosine_every=5,
+                    reweight=reweight,
                 ),
                 model_path=model_path,
                 instructions_uri=table.uri,
@@ -146,6 +193,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 provenance={
                     "selector": selector,
                     "ratio": ratio,
+                    "alpha": alpha,
                     "selection_seed": seed,
                     "data_fraction": sel.data_fraction,
                 },
@@ -168,17 +216,19 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 text=True,
             )
             if done.returncode != 0:
-                sys.exit(f"[{name}] training {selector} seed {seed} failed:\n{done.stderr[-3000:]}")
+                sys.exit(f"[{name}] training {variant} seed {seed} failed:\n{done.stderr[-3000:]}")
             wall = time.perf_counter() - start
             ckpt = read_checkpoint(job.output_dir)
             assert ckpt is not None
             trained = np.repeat(np.arange(len(ids)), sel.copies)
             evaluate(
                 job.output_dir,
-                f"{selector} seed {seed}",
-                f"{selector} r={ratio}",
+                f"{group} seed {seed}",
+                group,
                 selector=selector,
                 ratio=ratio,
+                setup=setup,
+                rank_weights=ckpt.info.get("rank_weights"),
                 train_seconds=ckpt.train_seconds,
                 selection_seconds=selection_s if selector != "full" else 0.0,
                 data_fraction=2 * alloc.shard_size / len(ids),
@@ -186,15 +236,31 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 grad_cosine=ckpt.mean_grad_cosine(),
             )
             log(
-                f"[{name}] trained {selector} seed {seed}: {ckpt.info['steps']} steps, "
+                f"[{name}] trained {variant} seed {seed}: {ckpt.info['steps']} steps, "
+                f"{alloc.shard_size} samples per rank, weights {ckpt.info.get('rank_weights')}, "
                 f"{ckpt.train_seconds:.0f} s training loop, {wall:.0f} s wall"
             )
 
     rows = aggregate(results, list(results[0].metrics))
-    comparisons = compare_groups(results, rows)
+    # The method's own questions: does the capacity rule matter, does re-weighting pay?
+    peripheral = group_name("peripheral", args.ratio)[0]
+    extra = [
+        (peripheral, group_name(v, args.ratio)[0])
+        for v in args.plan
+        if v.startswith("peripheral_") and "peripheral" in args.plan
+    ]
+    comparisons = compare_groups(results, rows, extra_pairs=extra)
     return {
         "dataset": name,
         "pool": len(ids),
+        "clusters": {
+            str(alpha): {
+                "kmeans_sizes": c.kmeans_sizes.tolist(),
+                "sizes": c.sizes.tolist(),
+                "weights": (2 * c.sizes / c.sizes.sum()).tolist(),
+            }
+            for alpha, c in clusters.items()
+        },
         "heldout": heldout.height,
         "selection_seconds": selection_s,
         "rows": rows,
@@ -209,25 +275,25 @@ def print_dataset(out: dict) -> None:
         f"selection (embedding + clustering) {out['selection_seconds']:.1f} s"
     )
     print(
-        f"{'group':>22} {'runs':>4} {'frac':>5} {'held-out loss':>16} {'HumanEval NLL':>16} "
+        f"{'group':>36} {'runs':>4} {'frac':>5} {'held-out loss':>16} {'HumanEval NLL':>16} "
         f"{'train s':>8} {'vs full':>7} {'grad div':>8} {'rank cos':>8}"
     )
     for r in out["rows"]:
         ratio = r["train_seconds"] / full["train_seconds"] if r["group"] != "base" else float("nan")
         print(
-            f"{r['group']:>22} {r['n']:>4} {r['data_fraction']:>5.2f} "
+            f"{r['group']:>36} {r['n']:>4} {r['data_fraction']:>5.2f} "
             f"{r['heldout_loss']:>8.4f}±{r['heldout_loss_std']:.4f} "
             f"{r['humaneval_solution_nll']:>8.4f}±{r['humaneval_solution_nll_std']:.4f} "
             f"{r['train_seconds']:>8.1f} {ratio:>7.3f} {r['gradient_diversity']:>8.4f} "
             f"{r['grad_cosine']:>8.4f}"
         )
-    print(f"{'model':>22} {'vs':>22} {'metric':>24} {'difference [95% CI]':>30} {'MDD':>7} verdict")
+    print(f"{'model':>36} {'vs':>36} {'metric':>24} {'difference [95% CI]':>30} {'MDD':>7} verdict")
     for c in out["comparisons"]:
         if c["reference"] == "base":
             continue
         ci = f"{c['difference']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}]"
         print(
-            f"{c['candidate']:>22} {c['reference']:>22} {c['metric']:>24} {ci:>30} "
+            f"{c['candidate']:>36} {c['reference']:>36} {c['metric']:>24} {ci:>30} "
             f"{c['min_detectable']:>7.4f} {c['verdict']}"
         )
 
@@ -240,7 +306,14 @@ def main() -> None:
         default=["python_stdlib", "gpteacher_codegen"],
         choices=["python_stdlib", *POOLS],
     )
-    p.add_argument("--pool", type=int, default=128, help="training pool N per dataset")
+    p.add_argument(
+        "--plan",
+        nargs="+",
+        default=DEFAULT_PLAN,
+        choices=list(VARIANTS),
+        help="variants trained beside full data (module docstring)",
+    )
+    p.add_argument("--pool", type=int, default=160, help="training pool N per dataset")
     p.add_argument("--heldout", type=int, default=160, help="held-out samples per dataset")
     p.add_argument("--max-length", type=int, default=128, help="tokens per sample")
     p.add_argument("--ratio", type=float, default=0.4, help="selection ratio r, 0 < r < 1")

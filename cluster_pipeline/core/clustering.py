@@ -2,9 +2,18 @@
 assignment, on pools of any size.
 
 K-means (faiss) runs on the L2-normalised proxy embeddings: the centroids are trained on a seeded
-sample of at most 65,536 rows, and every row is then assigned. The capacity step assigns every
-sample to one of the K centroids so that no cluster holds more than ``cap = ceil(alpha * N / K)``
-samples, minimising the total squared distance: a transportation problem with K sinks.
+sample of at most 65,536 rows, with k-means++ seeding and ``restarts`` runs of up to ``niter``
+Lloyd iterations each, keeping the lowest inertia (the CluSTER reference runs scikit-learn's
+``KMeans(init="k-means++", n_init=10, max_iter=300)``; faiss stops a run once its objective no
+longer falls). Every row is then assigned. The capacity step assigns every sample to one of the
+K centroids so that no cluster holds more than ``cap = ceil(alpha * N / K)`` samples, minimising
+the total squared distance: a transportation problem with K sinks. It binds only when k-means
+leaves a cluster above the cap; with the default alpha = 1.5 (the reference's soft cap) most
+pools keep their k-means clusters, unequal sizes and all, and the weights w_c of step 5 depart
+from 1. The reference reassigns greedily (sample-centroid pairs in ascending distance, each
+sample to the first centroid with room); the flow here is the exact optimum of the same problem,
+so its total distance is never higher (``test_clustering.py`` shows a case where greedy is
+strictly worse), and it equals the greedy result whenever the cap does not bind.
 
 The embeddings are streamed from their Delta table batch by batch (:func:`cluster_stream`): one
 pass gathers the k-means sample, a second computes the (N, K) float32 distance matrix, which is
@@ -51,6 +60,8 @@ _PRICE_SAMPLE = 200_000
 _MIN_MARGIN = 1e-9
 # Rows per block when a (b, K) temporary is formed over the distance matrix.
 _BLOCK = 1 << 20
+# The capacity slack of the CluSTER reference (a cap of 1.5 N / K, binding only above it).
+DEFAULT_ALPHA = 1.5
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class ClusterResult:
         lower_bound: the LP dual bound D(p) certifying ``cost`` (module docstring); the optimum
             lies in [lower_bound, cost].
         boundary_samples: samples the exact flow assigned (0 when k-means already fit the caps).
+        kmeans_fit: how the centroids were found (sample size, restarts, inertias).
     """
 
     labels: np.ndarray
@@ -81,6 +93,7 @@ class ClusterResult:
     cost: float
     lower_bound: float
     boundary_samples: int
+    kmeans_fit: KMeansFit
 
     @property
     def cost_increase(self) -> float:
@@ -107,6 +120,11 @@ class CapacityAssignment:
 
 def capacity(n: int, k: int, alpha: float) -> int:
     """cap = ceil(alpha * N / K) (docs/design.md, step 2).
+
+    The reference reassigns when the largest k-means cluster exceeds 1.5 N / K, with this cap;
+    a largest size between 1.5 N / K and the cap reassigns nothing there (no cluster is full
+    before its own samples are placed), so the rule is: the cap binds when a cluster exceeds
+    ``cap``, as :func:`capacity_assignment` applies it.
 
     Raises:
         ValueError: alpha < 1 (the caps could not hold all N samples).
@@ -340,23 +358,88 @@ def _cost(sq_dist: np.ndarray, labels: np.ndarray) -> float:
     return float(sq_dist[np.arange(len(labels)), labels].astype(np.float64).sum())
 
 
-def kmeans(x: np.ndarray, k: int, seed: int, niter: int = 25) -> np.ndarray:
-    """faiss k-means on all rows of x (n, d) float32 (the caller samples); returns (K, d)
-    float32 centroids."""
+# Defaults of the k-means search: the CluSTER reference's n_init and max_iter.
+KMEANS_RESTARTS = 10
+KMEANS_NITER = 300
+
+
+@dataclass(frozen=True)
+class KMeansFit:
+    """The centroids of the best of several k-means runs on one sample.
+
+    Attributes:
+        centroids: (K, d) float32, of the run with the lowest inertia.
+        inertia: that run's sum of squared distances of the sample to its nearest centroid.
+        restart_inertias: each run's final inertia, in run order.
+        restart_iterations: Lloyd iterations each run took (< niter when it converged).
+        sample_size: rows the centroids were trained on.
+        niter: the iteration limit per run.
+    """
+
+    centroids: np.ndarray
+    inertia: float
+    restart_inertias: tuple[float, ...]
+    restart_iterations: tuple[int, ...]
+    sample_size: int
+    niter: int
+
+    @property
+    def restarts(self) -> int:
+        return len(self.restart_inertias)
+
+
+def kmeans(
+    x: np.ndarray,
+    k: int,
+    seed: int,
+    niter: int = KMEANS_NITER,
+    restarts: int = KMEANS_RESTARTS,
+) -> KMeansFit:
+    """faiss k-means on all rows of x (n, d) float32 (the caller samples): ``restarts`` runs,
+    each seeded by k-means++ (Arthur & Vassilvitskii 2007: every next centroid drawn with
+    probability proportional to its squared distance to the nearest one chosen; faiss's
+    ``ClusteringInitMethod_KMEANS_PLUS_PLUS``) and refined by up to ``niter`` Lloyd iterations,
+    stopping early once the objective stops falling; the run with the lowest inertia wins.
+    Run r is seeded by ``(seed, r)``, so the result is deterministic for a given seed.
+
+    K = 1 needs no search: the centroid is the mean (one "run", 0 iterations).
+
+    Raises:
+        ValueError: K < 1, restarts < 1, niter < 1 or fewer rows than K.
+    """
     import faiss
 
     n, d = x.shape
-    km = faiss.Kmeans(
-        d,
-        k,
-        niter=niter,
-        seed=seed,
-        verbose=False,
-        min_points_per_centroid=1,
-        max_points_per_centroid=max(1, math.ceil(n / k)),
-    )
-    km.train(np.ascontiguousarray(x, dtype=np.float32))
-    return np.asarray(km.centroids, dtype=np.float32)
+    if k < 1 or restarts < 1 or niter < 1:
+        raise ValueError(f"need K >= 1, restarts >= 1 and niter >= 1, got {k}, {restarts}, {niter}")
+    if n < k:
+        raise ValueError(f"cannot make K={k} clusters from {n} rows")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if k == 1:
+        centroid = x.mean(axis=0, dtype=np.float64).astype(np.float32)[None, :]
+        inertia = float(squared_distances(x, centroid).astype(np.float64).sum())
+        return KMeansFit(centroid, inertia, (inertia,), (0,), n, niter)
+    best: np.ndarray | None = None
+    inertias: list[float] = []
+    iterations: list[int] = []
+    for r in range(restarts):
+        km = faiss.Kmeans(
+            d,
+            k,
+            niter=niter,
+            seed=int(np.random.default_rng([seed, r]).integers(2**31 - 1)),
+            init_method=faiss.ClusteringInitMethod_KMEANS_PLUS_PLUS,
+            verbose=False,
+            min_points_per_centroid=1,
+            # No subsampling: the caller's sample is what k-means sees.
+            max_points_per_centroid=max(1, math.ceil(n / k)),
+        )
+        inertias.append(float(km.train(x)))  # the final objective: the inertia
+        iterations.append(len(km.iteration_stats or ()))
+        if best is None or inertias[-1] < min(inertias[:-1]):
+            best = np.asarray(km.centroids, dtype=np.float32)
+    assert best is not None
+    return KMeansFit(best, min(inertias), tuple(inertias), tuple(iterations), n, niter)
 
 
 @dataclass(frozen=True)
@@ -384,10 +467,11 @@ def cluster_stream(
     batches: Batches,
     n_rows: int,
     k: int,
-    alpha: float = 1.0,
+    alpha: float = DEFAULT_ALPHA,
     seed: int = 0,
-    niter: int = 25,
+    niter: int = KMEANS_NITER,
     max_train_points: int = 65536,
+    restarts: int = KMEANS_RESTARTS,
 ) -> StreamedClusters:
     """Balanced k-means over a stream of L2-normalised embeddings (docs/design.md, step 2).
 
@@ -402,9 +486,10 @@ def cluster_stream(
             rows each time (e.g. :meth:`TableRef.vector_batches`).
         n_rows: rows the stream yields (an upper bound is enough), for drawing the sample.
         k: number of clusters K (= data-parallel world size).
-        alpha: capacity slack, >= 1.
+        alpha: capacity slack, >= 1 (1.5, the reference's soft cap; 1 = exact balance).
         seed: seed of the sample, of k-means and of the capacity step's subsample; the result
             is deterministic for a given seed and stream.
+        niter, restarts: the k-means search (:func:`kmeans`).
 
     Raises:
         ValueError: K < 1, alpha < 1, fewer finite rows than K, or batches of unequal width.
@@ -454,10 +539,13 @@ def cluster_stream(
     sample_ids = pl.concat(sample_id_parts)
     del sample_parts, sample_id_parts
     cap = capacity(n, k, alpha)
-    if total is not None:  # K = 1: the centroid is the mean
+    if total is not None:  # K = 1: the centroid is the mean of the whole stream
         centroids = (total / n).astype(np.float32)[None, :]
+        inertia = float(squared_distances(sample, centroids).astype(np.float64).sum())
+        fit = KMeansFit(centroids, inertia, (inertia,), (0,), len(sample), niter)
     else:
-        centroids = kmeans(sample, k, seed, niter)
+        fit = kmeans(sample, k, seed, niter, restarts)
+        centroids = fit.centroids
     if whole:
         dist, ids_all = squared_distances(sample, centroids), sample_ids
     else:
@@ -495,6 +583,7 @@ def cluster_stream(
         cost=assignment.cost,
         lower_bound=assignment.lower_bound,
         boundary_samples=assignment.boundary,
+        kmeans_fit=fit,
     )
     if whole:
         sample_labels = labels
@@ -525,7 +614,12 @@ def _finite_rows(x: np.ndarray) -> np.ndarray:
 
 
 def balanced_kmeans(
-    x: np.ndarray, k: int, alpha: float = 1.0, seed: int = 0, niter: int = 25
+    x: np.ndarray,
+    k: int,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    niter: int = KMEANS_NITER,
+    restarts: int = KMEANS_RESTARTS,
 ) -> ClusterResult:
     """:func:`cluster_stream` over an in-memory (N, d) float32 matrix of L2-normalised rows.
 
@@ -536,7 +630,13 @@ def balanced_kmeans(
         raise ValueError("embeddings contain NaN or inf; quarantine those samples first")
     blocks = range(0, len(x), _BLOCK)
     return cluster_stream(
-        lambda: ((None, x[lo : lo + _BLOCK]) for lo in blocks), len(x), k, alpha, seed, niter
+        lambda: ((None, x[lo : lo + _BLOCK]) for lo in blocks),
+        len(x),
+        k,
+        alpha,
+        seed,
+        niter,
+        restarts=restarts,
     ).result
 
 
@@ -544,10 +644,11 @@ def cluster_table(
     embeddings: TableRef,
     column: str,
     k: int,
-    alpha: float = 1.0,
+    alpha: float = DEFAULT_ALPHA,
     seed: int = 0,
-    niter: int = 25,
+    niter: int = KMEANS_NITER,
     batch_rows: int = 65536,
+    restarts: int = KMEANS_RESTARTS,
 ) -> StreamedClusters:
     """:func:`cluster_stream` over ``column`` of a ``proxy_embeddings`` table version, read
     ``batch_rows`` at a time. Skipped samples (``skip_reason`` set) are left out; samples with
@@ -563,6 +664,7 @@ def cluster_table(
         alpha,
         seed,
         niter,
+        restarts=restarts,
     )
 
 

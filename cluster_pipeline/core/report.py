@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from cluster_pipeline.core.cache import JsonCache, file_stamp, model_fingerprint
 from cluster_pipeline.core.checkpoints import TRAINING_INFO, Checkpoint
 from cluster_pipeline.core.evaluation import BENCHMARKS, ItemScores, lower_is_better
 from cluster_pipeline.core.formats import EVAL_CONFIG_NAME
+from cluster_pipeline.core.selection import REWEIGHTED_SELECTORS
 from cluster_pipeline.core.statistics import Comparison, paired_bootstrap
 
 DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}
@@ -65,7 +66,8 @@ class ModelEntry:
     group: str
     path: str
     checkpoint: Checkpoint | None = None
-    setup: str = ""
+    # The values of the setup settings that vary among the compared checkpoints.
+    setup: dict[str, Any] = field(default_factory=dict)
 
     def cache_stamp(self) -> str:
         """Changes when the model changes: a checkpoint folder rewritten in place (resumed,
@@ -88,31 +90,56 @@ RUN_ONLY_SETTINGS = frozenset(
 )
 
 
+# Selection settings (recorded in a checkpoint's provenance) that make runs of a selector
+# different setups: the capacity slack alpha and the clustered representation change which
+# samples every selector but ``full`` trains on.
+SETUP_PROVENANCE = ("alpha", "representation")
+
+
+def setup_values(ckpt: Checkpoint) -> dict[str, Any]:
+    """The settings that define a checkpoint's setup, where they apply to its selector: every
+    training setting but :data:`RUN_ONLY_SETTINGS` (``reweight`` only for the re-weighted
+    selectors, whose weights it switches), and :data:`SETUP_PROVENANCE` for every selector but
+    ``full``. A key recorded by none of its runs reads None."""
+    selector = ckpt.provenance.get("selector")
+    values = {k: v for k, v in ckpt.settings.items() if k not in RUN_ONLY_SETTINGS}
+    if selector is not None and selector not in REWEIGHTED_SELECTORS:
+        values.pop("reweight", None)
+    if selector != "full":
+        values |= {k: ckpt.provenance.get(k) for k in SETUP_PROVENANCE}
+    return values
+
+
 def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
     """The base model, then each checkpoint named by selector, ratio and its training /
     selection seeds. Checkpoints written before provenance was recorded keep their folder
     name as their group.
 
-    Checkpoints whose training settings differ other than by seed (say ``lora_r`` or
-    ``max_steps``) are different setups, not seeds of one: each group then also names its
-    values of the settings that vary, e.g. ``peripheral r=0.5 (lora_r=8)``, and is compared
-    only with references of the same setup."""
-    varying = sorted(
-        key
-        for key in {k for c in checkpoints for k in c.settings} - RUN_ONLY_SETTINGS
-        if len({json.dumps(c.settings.get(key), sort_keys=True) for c in checkpoints}) > 1
-    )
+    Checkpoints whose setups (:func:`setup_values`) differ, say in ``lora_r``, ``max_steps``,
+    ``reweight`` or the capacity slack ``alpha``, are different setups, not seeds of one: each
+    group then also names its values of the settings that vary among the checkpoints, e.g.
+    ``peripheral r=0.5 (alpha=1.0)``; an unrecorded value reads ``unrecorded``. A group is
+    compared only with references that agree with it on every setting both have
+    (:func:`references_of`)."""
+    values = [setup_values(c) for c in checkpoints]
+    keys = sorted({k for v in values for k in v})
+    varying = [
+        k
+        for k in keys
+        if len({json.dumps(v[k], sort_keys=True, default=str) for v in values if k in v}) > 1
+    ]
     entries = [ModelEntry("base", "base", base_path)]
-    for ckpt in checkpoints:
+    for ckpt, setup in zip(checkpoints, values, strict=True):
         prov = ckpt.provenance
-        setup = ", ".join(f"{k}={ckpt.settings.get(k)}" for k in varying)
+        shown = {k: setup[k] for k in varying if k in setup}
+        label = ", ".join(f"{k}={'unrecorded' if v is None else v}" for k, v in shown.items())
         group = (
             f"{prov['selector']} r={prov.get('ratio')}"
             if "selector" in prov
             else f"checkpoint {ckpt.path.name}"
-        ) + (f" ({setup})" if setup else "")
+        ) + (f" ({label})" if label else "")
         seeds = f"seed {ckpt.settings.get('seed', 0)}/{prov.get('selection_seed', 0)}"
-        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt, setup))
+        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt, shown))
     return entries
 
 
@@ -138,7 +165,8 @@ class ModelResult:
     grad_cosine: float | None = None
     current: bool = False
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
-    setup: str = ""
+    setup: dict[str, Any] = field(default_factory=dict)
+    rank_weights: list[float] | None = None
 
 
 def evaluate_entries(
@@ -189,6 +217,7 @@ def evaluate_entries(
                 current=Path(entry.path) == Path(current),
                 loss_curve=ckpt.loss_curve() if ckpt else [],
                 setup=entry.setup,
+                rank_weights=ckpt.info.get("rank_weights") if ckpt else None,
             )
         )
     return results, heldout
@@ -273,9 +302,18 @@ def _stack(members: list[ModelResult], metric: str, ids: list[str]) -> np.ndarra
 
 def references_of(group: str, rows: list[dict]) -> list[str]:
     """The groups a group is compared with: random_global at the same ratio (unless it is
-    one), full data, both of the same training setup, and the base model."""
+    one), full data, each agreeing with the group on every setup setting both have (so
+    ``peripheral (reweight=False)`` meets the random_global and full runs, which have no
+    weights to switch, and ``peripheral (alpha=1.0)`` the full runs, which no alpha changes),
+    and the base model."""
     me = next(r for r in rows if r["group"] == group)
-    same = [r for r in rows if r["group"] != group and r.get("setup", "") == me.get("setup", "")]
+    mine = me.get("setup", {})
+
+    def agrees(r: dict) -> bool:
+        theirs = r.get("setup", {})
+        return all(theirs[k] == v for k, v in mine.items() if k in theirs)
+
+    same = [r for r in rows if r["group"] != group and agrees(r)]
     refs = [
         r["group"]
         for r in same
@@ -288,45 +326,49 @@ def references_of(group: str, rows: list[dict]) -> list[str]:
 
 
 def compare_groups(
-    results: list[ModelResult], rows: list[dict], n_resamples: int = 2000, seed: int = 0
+    results: list[ModelResult],
+    rows: list[dict],
+    n_resamples: int = 2000,
+    seed: int = 0,
+    extra_pairs: Sequence[tuple[str, str]] = (),
 ) -> list[Comparison]:
-    """Every non-base group against each of its :func:`references_of`, on every metric with
-    per-item scores that both have (but those where every model scores 0), over the items all
-    their runs share (at least 2)."""
+    """Every non-base group against each of its :func:`references_of` (and each
+    ``(candidate, reference)`` group pair of ``extra_pairs``), on every metric with per-item
+    scores that both have (but those where every model scores 0), over the items all their runs
+    share (at least 2)."""
     groups: dict[str, list[ModelResult]] = {}
     for r in results:
         groups.setdefault(r.group, []).append(r)
-    out = []
     zeros = set(zero_metrics(results))
-    for group, members in groups.items():
-        if group == "base":
-            continue
-        for ref in references_of(group, rows):
-            others = groups[ref]
-            both = [*members, *others]
-            metrics = [
-                m for m in members[0].items if m not in zeros and all(m in x.items for x in both)
-            ]
-            for metric in metrics:
-                shared = set.intersection(*(set(x.items[metric].ids) for x in both))
-                ids = [i for i in members[0].items[metric].ids if i in shared]
-                if len(ids) < 2:
-                    continue
-                weights = dict(
-                    zip(members[0].items[metric].ids, members[0].items[metric].weights, strict=True)
+    pairs = [(g, ref) for g in groups if g != "base" for ref in references_of(g, rows)]
+    pairs += [p for p in extra_pairs if p not in pairs]
+    out = []
+    for group, ref in pairs:
+        members, others = groups[group], groups[ref]
+        both = [*members, *others]
+        metrics = [
+            m for m in members[0].items if m not in zeros and all(m in x.items for x in both)
+        ]
+        for metric in metrics:
+            shared = set.intersection(*(set(x.items[metric].ids) for x in both))
+            ids = [i for i in members[0].items[metric].ids if i in shared]
+            if len(ids) < 2:
+                continue
+            weights = dict(
+                zip(members[0].items[metric].ids, members[0].items[metric].weights, strict=True)
+            )
+            out.append(
+                paired_bootstrap(
+                    _stack(members, metric, ids),
+                    _stack(others, metric, ids),
+                    np.asarray([weights[i] for i in ids]),
+                    metric=metric,
+                    names=(group, ref),
+                    lower_is_better=lower_is_better(metric),
+                    n_resamples=n_resamples,
+                    seed=seed,
                 )
-                out.append(
-                    paired_bootstrap(
-                        _stack(members, metric, ids),
-                        _stack(others, metric, ids),
-                        np.asarray([weights[i] for i in ids]),
-                        metric=metric,
-                        names=(group, ref),
-                        lower_is_better=lower_is_better(metric),
-                        n_resamples=n_resamples,
-                        seed=seed,
-                    )
-                )
+            )
     return out
 
 
@@ -555,6 +597,8 @@ def render_report(
     rows = aggregate(results, metric_names)
     comparisons = compare_groups(results, rows, n_resamples=n_resamples)
     current_row = next(r for r in rows if r["current"])
+    current_result = next(r for r in results if r.current)
+    weights = current_result.rank_weights
     train_s = float(current_row["train_seconds"])
     fraction = float(current_row["data_fraction"])
     full_rows = [r for r in rows if r["selector"] == "full"]
@@ -620,7 +664,13 @@ def render_report(
         f"| selection: embedding pass + clustering + subsets + shards (model load excluded) | "
         f"{selection_seconds:.1f} s |\n"
         f"| training (measured) | {train_s:.1f} s at data fraction {fraction:.3f} |\n"
-        f"| {full_label} | {full_s:.1f} s |\n"
+        + (
+            f"| rank weights (loss multipliers w_c = n_c K / N, rank order) | "
+            f"{', '.join(f'{w:.4f}' for w in weights)} |\n"
+            if weights
+            else ""
+        )
+        + f"| {full_label} | {full_s:.1f} s |\n"
         f"| net time saved (full - selection - training) | "
         f"{full_s - selection_seconds - train_s:.1f} s |\n"
     )

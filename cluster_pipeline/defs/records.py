@@ -157,6 +157,7 @@ class BalancedClustersRecord(SelectionRecord):
     centroids: TableRef
     num_clusters: int
     representation: str = "gradient_proxy"
+    alpha: float = 1.0
     cap: int
     cluster_sizes: list[int]
     kmeans_cluster_sizes: list[int]
@@ -167,6 +168,17 @@ class BalancedClustersRecord(SelectionRecord):
     # and how many samples the exact flow assigned.
     capacity_optimality_gap: float = 0.0
     capacity_boundary_samples: int = 0
+    # w_c = K n_c / N of the sizes after the capacity step: the loss weights of a re-weighted
+    # selector's ranks (docs/design.md, step 5).
+    cluster_weights: list[float] = field(default_factory=list)
+    # The k-means search: rows it ran on, runs, iteration limit, best and every run's inertia,
+    # iterations each run took.
+    kmeans_sample_size: int = 0
+    kmeans_restarts: int = 1
+    kmeans_niter: int = 25
+    kmeans_inertia: float = float("nan")
+    kmeans_restart_inertias: list[float] = field(default_factory=list)
+    kmeans_restart_iterations: list[int] = field(default_factory=list)
     quarantined_count: int
     quarantined_non_finite: list[str]
 
@@ -219,6 +231,8 @@ class TrainedCheckpointRecord(StageRecord):
     seconds: float
     train_seconds: float
     samples_per_rank: int
+    # The loss multiplier each rank applied (w_c, or 1 with reweight: false), in rank order.
+    rank_weights: list[float] = field(default_factory=list)
     selection_seconds: float
     config: dict[str, Any]
 

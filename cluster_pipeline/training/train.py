@@ -485,9 +485,12 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], run.env
         )
     ]
+    # The loss multipliers the ranks applied (w_c, or 1 with reweight: false), in rank order.
+    rank_weights = _gather_weights(run.weight, run.env)
     if run.env.is_main:
         info = {
             "base_model": job.model_path,
+            "rank_weights": rank_weights,
             "manifests": [
                 {"rank": r, "path": p, "sha256": h}
                 for r, (p, h) in enumerate(zip(job.manifests, run.manifest_hashes, strict=True))

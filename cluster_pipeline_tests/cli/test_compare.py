@@ -53,7 +53,7 @@ def test_run_config_prints_the_profile_and_refuses_an_unknown_one(capsys):
 
     main(["run-config", "gpu8", "--assets", "balanced_clusters"])
     assert yaml.safe_load(capsys.readouterr().out)["ops"] == {
-        "balanced_clusters": {"config": {"num_clusters": 8, "alpha": 1.0}}
+        "balanced_clusters": {"config": {"num_clusters": 8, "alpha": 1.5}}
     }
     with pytest.raises(SystemExit) as exit_:
         main(["run-config", "gpu9"])

@@ -15,6 +15,7 @@ from cluster_pipeline.core.clustering import (
     cluster_stream,
     dual_bound,
     dual_prices,
+    kmeans,
     squared_distances,
 )
 from cluster_pipeline.core.embedding import l2_normalise
@@ -113,8 +114,8 @@ def test_a_two_pass_stream_clusters_like_the_matrix_it_streams():
     def batches(size):
         return lambda: ((ids[lo : lo + size], x[lo : lo + size]) for lo in range(0, len(x), size))
 
-    a = cluster_stream(batches(700), len(x), 3, seed=2, max_train_points=500)
-    b = cluster_stream(batches(3000), len(x), 3, seed=2, max_train_points=500)
+    a = cluster_stream(batches(700), len(x), 3, alpha=1.0, seed=2, max_train_points=500)
+    b = cluster_stream(batches(3000), len(x), 3, alpha=1.0, seed=2, max_train_points=500)
     assert a.kmeans_sample.shape == (500, x.shape[1]) and a.sample_ids.to_list() == ids.to_list()
     np.testing.assert_array_equal(a.result.labels, b.result.labels)
     np.testing.assert_array_equal(a.result.centroids, b.result.centroids)
@@ -177,8 +178,11 @@ def test_edge_cases():
     one = balanced_kmeans(_blobs([10, 10]), 1)
     assert one.sizes.tolist() == [20] and (one.labels == 0).all()
     same = np.tile(l2_normalise(np.ones((1, 8), np.float32)), (12, 1))
-    r = balanced_kmeans(same, 3)
-    assert r.sizes.tolist() == [4, 4, 4]
+    # Identical rows: every distance ties, so the caps alone decide; exact balance splits them
+    # evenly, the default soft cap (6 of 12) fills two clusters and leaves the third empty
+    # (peripheral_subsets then refuses the empty cluster).
+    assert balanced_kmeans(same, 3, alpha=1.0).sizes.tolist() == [4, 4, 4]
+    assert sorted(balanced_kmeans(same, 3).sizes.tolist()) == [0, 6, 6]
     bad = _blobs([5, 5])
     bad[0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
@@ -192,3 +196,46 @@ def test_the_flow_takes_only_allowed_arcs_and_says_when_they_cannot_fit():
     assert capacity_assignment_flow(d, 2, allowed).tolist() == [0, 1, 0, 1]
     with pytest.raises(InfeasibleFlow):
         capacity_assignment_flow(d, 2, np.array([[1, 0]] * 4, dtype=bool))
+
+
+def _labelled_blobs(sizes, d=8, seed=1):
+    """Well-separated Gaussian blobs (centres 5 sd apart on average), unnormalised, with their
+    blob of origin; the blob partition is the k-means optimum, its inertia known exactly."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(len(sizes), d)) * 5
+    x = np.concatenate([c + rng.normal(size=(n, d)) for c, n in zip(centres, sizes, strict=True)])
+    return x.astype(np.float32), np.repeat(np.arange(len(sizes)), sizes)
+
+
+def test_restarts_reach_the_known_optimum_where_one_initialisation_does_not():
+    sizes = [400, 300, 200, 100, 60, 40]
+    x, blob = _labelled_blobs(sizes)
+    means = np.stack([x[blob == c].mean(axis=0) for c in range(6)])
+    optimum = float(((x - means[blob]) ** 2).sum())
+    # Seed 4's first k-means++ draw puts two centroids in one blob: a local optimum 60 % worse.
+    single = kmeans(x, 6, seed=4, restarts=1)
+    assert single.inertia > 1.5 * optimum and single.restarts == 1
+    best = kmeans(x, 6, seed=4)
+    assert best.restarts == 10 and best.inertia == pytest.approx(optimum, rel=1e-4)
+    assert best.inertia == min(best.restart_inertias) and best.restart_inertias[0] == single.inertia
+    assert all(1 <= i <= best.niter == 300 for i in best.restart_iterations)
+    # The optimum is the blob partition: each centroid is one blob's mean.
+    labels = squared_distances(x, best.centroids).argmin(axis=1)
+    assert all(len(set(labels[blob == c].tolist())) == 1 for c in range(6))
+    assert len(set(labels.tolist())) == 6
+    # Over ten seeds, single runs miss the optimum several times, ten restarts never.
+    singles = [kmeans(x, 6, seed=s, restarts=1).inertia for s in range(10)]
+    assert sum(v > 1.01 * optimum for v in singles) >= 2
+    assert all(kmeans(x, 6, seed=s).inertia == pytest.approx(optimum, rel=1e-4) for s in range(10))
+
+
+def test_k_means_records_its_search():
+    x = _blobs([50, 30, 20])
+    r = balanced_kmeans(x, 3, seed=0, restarts=4, niter=50)
+    fit = r.kmeans_fit
+    assert fit.sample_size == 100 and fit.restarts == 4 and fit.niter == 50
+    assert len(fit.restart_iterations) == 4 and fit.inertia == min(fit.restart_inertias)
+    np.testing.assert_array_equal(fit.centroids, r.centroids)
+    assert fit.inertia == pytest.approx(r.kmeans_cost, rel=1e-4)
+    with pytest.raises(ValueError, match="restarts >= 1"):
+        kmeans(x, 3, seed=0, restarts=0)

@@ -88,6 +88,11 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         info = json.loads((ckpt / "training_info.json").read_text())
         assert [m["sha256"] for m in info["manifests"]] == [m.sha256 for m in manifests]
         assert info["world_size"] == 2
+        # The weights the ranks applied are the clusters' w_c, recorded at every stage.
+        weights = [sizes[r] * 2 / 54 for r in range(2)]
+        assert info["rank_weights"] == pytest.approx(weights, rel=1e-6)
+        assert meta(instance, "balanced_clusters")["cluster_weights"] == pytest.approx(weights)
+        assert list(meta(instance, "trained_checkpoint")["rank_weights"]) == pytest.approx(weights)
 
         report = meta(instance, "eval_report")
         assert report["base/heldout_loss"] > 0 and report["tuned/heldout_loss"] > 0

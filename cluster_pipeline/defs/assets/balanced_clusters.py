@@ -9,7 +9,14 @@ import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.core import plots
-from cluster_pipeline.core.clustering import check_capacity, cluster_table
+from cluster_pipeline.core.clustering import (
+    DEFAULT_ALPHA,
+    KMEANS_NITER,
+    KMEANS_RESTARTS,
+    check_capacity,
+    cluster_table,
+)
+from cluster_pipeline.core.selection import cluster_weights
 from cluster_pipeline.core.tables import vectors_to_series, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
@@ -26,12 +33,26 @@ class BalancedClustersConfig(dg.Config):
         "(GPUs) that will train, one cluster per rank.",
     )
     alpha: float = Field(
-        default=1.0,
+        default=DEFAULT_ALPHA,
         ge=1.0,
-        description="Capacity slack: no cluster exceeds ceil(alpha * N / K). 1.0 = exact balance.",
+        description="Capacity slack: no cluster exceeds ceil(alpha * N / K); the cap binds only "
+        "when k-means leaves a cluster above it. 1.5 = the CluSTER reference's soft cap (unequal "
+        "clusters stay unequal and their ranks are re-weighted); 1.0 = exact balance (every "
+        "weight w_c = 1 when K divides N).",
     )
-    seed: int = Field(default=0, ge=0, description="k-means seed.")
-    niter: int = Field(default=25, ge=1, description="k-means iterations.")
+    seed: int = Field(default=0, ge=0, description="k-means seed (sample and restarts).")
+    niter: int = Field(
+        default=KMEANS_NITER,
+        ge=1,
+        description="Most Lloyd iterations per k-means run (a run stops once its objective "
+        "stops falling); the reference's max_iter is 300.",
+    )
+    restarts: int = Field(
+        default=KMEANS_RESTARTS,
+        ge=1,
+        description="k-means runs from different k-means++ seedings; the lowest inertia wins "
+        "(the reference's n_init is 10).",
+    )
     representation: Literal["gradient_proxy", "hidden_mean"] = Field(
         default="gradient_proxy",
         description="What to cluster: gradient_proxy = the CluSTER embedding e (default); "
@@ -66,11 +87,18 @@ def balanced_clusters(
     column = f"{REPRESENTATIONS[config.representation]}_normalised"
     try:
         streamed = cluster_table(
-            embeddings.table, column, config.num_clusters, config.alpha, config.seed, config.niter
+            embeddings.table,
+            column,
+            config.num_clusters,
+            config.alpha,
+            config.seed,
+            config.niter,
+            restarts=config.restarts,
         )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
     result, quarantined = streamed.result, streamed.quarantined
+    fit = result.kmeans_fit
     frame = streamed.sample_ids.to_frame().with_columns(
         pl.Series("cluster", result.labels),
         pl.Series("kmeans_cluster", result.kmeans_labels),
@@ -88,7 +116,11 @@ def balanced_clusters(
         f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "
         f"{result.kmeans_sizes.tolist()}), cap {result.cap}, "
         f"cost +{100 * result.cost_increase:.2f}% (optimal within "
-        f"{100 * result.optimality_gap:.1e}%; {result.boundary_samples} samples by flow)"
+        f"{100 * result.optimality_gap:.1e}%; {result.boundary_samples} samples by flow); "
+        f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
+        f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-{max(fit.restart_inertias):.4f}, "
+        f"{max(fit.restart_iterations)} iterations at most); weights w_c "
+        f"{[round(w, 4) for w in cluster_weights(result.sizes)]}"
     )
     passed, description = check_capacity(
         frame["sample_id"],
@@ -105,6 +137,7 @@ def balanced_clusters(
         selection_seconds=round(embeddings.selection_seconds + seconds, 2),
         num_clusters=config.num_clusters,
         representation=config.representation,
+        alpha=config.alpha,
         cap=result.cap,
         cluster_sizes=result.sizes.tolist(),
         kmeans_cluster_sizes=result.kmeans_sizes.tolist(),
@@ -113,6 +146,13 @@ def balanced_clusters(
         capacity_cost_increase_pct=round(100 * result.cost_increase, 3),
         capacity_optimality_gap=float(f"{result.optimality_gap:.3g}"),
         capacity_boundary_samples=result.boundary_samples,
+        cluster_weights=[round(float(w), 6) for w in cluster_weights(result.sizes)],
+        kmeans_sample_size=fit.sample_size,
+        kmeans_restarts=fit.restarts,
+        kmeans_niter=fit.niter,
+        kmeans_inertia=round(fit.inertia, 6),
+        kmeans_restart_inertias=[round(v, 6) for v in fit.restart_inertias],
+        kmeans_restart_iterations=list(fit.restart_iterations),
         quarantined_count=quarantined.len(),
         quarantined_non_finite=quarantined.to_list()[:100],
     )

@@ -11,6 +11,7 @@ from cluster_pipeline.core.cache import stable_hash
 from cluster_pipeline.core.checkpoints import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.core.datasets import samples_fingerprint
 from cluster_pipeline.defs.records import (
+    BalancedClustersRecord,
     PeripheralSubsetsRecord,
     ShardManifestsRecord,
     TrainedCheckpointRecord,
@@ -66,6 +67,7 @@ def trained_checkpoint(
     start = time.perf_counter()
     shards = read_record(context, ShardManifestsRecord)
     subsets = pinned_record(context, PeripheralSubsetsRecord, shards.inputs["peripheral_subsets"])
+    clusters = pinned_record(context, BalancedClustersRecord, subsets.inputs["balanced_clusters"])
     instructions = shards.inputs["raw_instructions"]
     if shards.world_size % torchrun.agents:
         raise dg.Failure(
@@ -121,6 +123,8 @@ def trained_checkpoint(
             "manifest_set_sha256": shards.manifest_set_sha256,
             "selector": subsets.selector,
             "ratio": subsets.ratio,
+            "alpha": clusters.alpha,
+            "representation": clusters.representation,
             "selection_seed": subsets.seed,
             "data_fraction": subsets.data_fraction,
             "pool_size": subsets.pool_size,
@@ -172,6 +176,7 @@ def trained_checkpoint(
         seconds=round(time.perf_counter() - start, 2),
         train_seconds=round(float(ckpt.train_seconds or 0.0), 2),
         samples_per_rank=shards.shard_size,
+        rank_weights=list(ckpt.info.get("rank_weights", [])),
         selection_seconds=shards.selection_seconds,
         config=ckpt.settings,
     )
