@@ -183,6 +183,8 @@ RUN_CONFIG = {
             "config": {
                 "max_length": 64,
                 "per_device_batch_size": 2,
+                "max_tokens_per_micro_batch": 96,
+                "max_packed_length": 64,
                 "gradient_accumulation_steps": 1,
                 "learning_rate": 1e-3,
             }
@@ -250,9 +252,12 @@ def read(instance, asset: str, partition: str = "tiny") -> pl.DataFrame:
 # --- Training entry point ---------------------------------------------------------------------
 
 
-def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: int, **settings):
+def train_job(
+    tmp_path: Path, model_dir: Path, weights: list[float], per_rank: int | list[int], **settings
+):
     """A 40-sample instructions table, one shard manifest per weight (``per_rank`` samples
-    each, disjoint), and a TrainJob written to ``tmp_path/train.json``.
+    each, or ``per_rank[r]`` for rank r; disjoint), and a TrainJob written to
+    ``tmp_path/train.json``.
 
     Returns (job, the instructions TableRef).
     """
@@ -261,16 +266,24 @@ def train_job(tmp_path: Path, model_dir: Path, weights: list[float], per_rank: i
 
     table = instructions_table(tmp_path / "raw", tiny_records(40))
     ids = pl.read_delta(table.uri)["sample_id"].to_list()
+    counts = per_rank if isinstance(per_rank, list) else [per_rank] * len(weights)
+    starts = [sum(counts[:r]) for r in range(len(weights))]
     manifests = []
     for r, w in enumerate(weights):
-        m = ShardManifest(
-            "t", r, len(weights), "peripheral", w, 0, tuple(ids[r * per_rank : (r + 1) * per_rank])
-        )
+        shard = tuple(ids[starts[r] : starts[r] + counts[r]])
+        m = ShardManifest("t", r, len(weights), "peripheral", w, 0, shard)
         manifests.append(str(m.write(tmp_path / "shards")))
     job = TrainJob(
-        # One micro-batch per step unless a test says otherwise (the tests count steps).
+        # One padded micro-batch per step unless a test says otherwise (the tests count steps
+        # in per_device_batch_size samples).
         settings=TrainSettings(
-            max_length=64, **{"gradient_accumulation_steps": 1, "learning_rate": 5e-5, **settings}
+            max_length=64,
+            **{
+                "gradient_accumulation_steps": 1,
+                "learning_rate": 5e-5,
+                "packing": False,
+                **settings,
+            },
         ),
         model_path=str(model_dir),
         instructions_uri=table.uri,

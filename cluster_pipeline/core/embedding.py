@@ -17,13 +17,15 @@ tensor is ever formed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cluster_pipeline.core.tokenization import IGNORE_INDEX
+from cluster_pipeline.core.packing import can_pack, collate_rows, real_tokens, token_batches
+from cluster_pipeline.core.tokenization import IGNORE_INDEX, EncodedSample, length_batches
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,12 @@ def embed_batch(
     chunk_rows: int = 1024,
     autocast_dtype: torch.dtype | None = None,
 ) -> BatchEmbedding:
-    """Gradient-proxy embeddings of one padded batch (see :func:`~cluster_pipeline.core.
-    tokenization.collate` for the batch layout).
+    """Gradient-proxy embeddings of one batch: padded (one sample per row, with an
+    ``attention_mask``; :func:`~cluster_pipeline.core.tokenization.collate`) or packed (several
+    samples per row, no mask, ``sample_index`` naming each token's sample;
+    :func:`~cluster_pipeline.core.packing.collate_rows`). Results are per sample, in
+    ``sample_index`` order (row order for a batch without it), and equal between the two layouts
+    to float32 rounding.
 
     Every sample must have at least one response token (callers drop the others first).
 
@@ -85,6 +91,13 @@ def embed_batch(
     """
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
+    if "sample_index" in batch:
+        owner = batch["sample_index"]
+    else:
+        owner = torch.arange(batch["input_ids"].shape[0], device=device)[:, None].expand_as(
+            batch["input_ids"]
+        )
+    n_samples = int(owner.max()) + 1
     decoder, head = decoder_and_head(model)
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
@@ -94,28 +107,30 @@ def embed_batch(
     with autocast:
         hidden = decoder(
             input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
+            attention_mask=batch.get("attention_mask"),
             position_ids=batch["position_ids"],
             use_cache=False,
         ).last_hidden_state
-        # Position i predicts token i + 1.
+        # Position i predicts token i + 1 (a packed sample's first label is -100, so no
+        # position predicts across a sample boundary).
         targets = batch["labels"][:, 1:]
         mask = targets != IGNORE_INDEX
         rows, cols = mask.nonzero(as_tuple=True)
         h = hidden[:, :-1][rows, cols]
         logp = gold_log_probs(h, targets[rows, cols], head, chunk_rows)
-    counts = mask.sum(dim=1)
+    sample = owner[:, 1:][rows, cols]
+    counts = torch.bincount(sample, minlength=n_samples)
     if bool((counts == 0).any()):
         raise ValueError("a sample in the batch has no response tokens; filter it out first")
-    coef = (logp.exp() - 1.0) / counts[rows].float()
+    coef = (logp.exp() - 1.0) / counts[sample].float()
     d = hidden.shape[-1]
-    emb = torch.zeros(hidden.shape[0], d, dtype=torch.float32, device=device)
-    emb.index_add_(0, rows, coef[:, None] * h.float())
-    hidden_mean = torch.zeros(hidden.shape[0], d, dtype=torch.float32, device=device)
-    hidden_mean.index_add_(0, rows, h.float())
+    emb = torch.zeros(n_samples, d, dtype=torch.float32, device=device)
+    emb.index_add_(0, sample, coef[:, None] * h.float())
+    hidden_mean = torch.zeros(n_samples, d, dtype=torch.float32, device=device)
+    hidden_mean.index_add_(0, sample, h.float())
     hidden_mean /= counts[:, None].float()
-    loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=device)
-    loss.index_add_(0, rows, -logp)
+    loss = torch.zeros(n_samples, dtype=torch.float32, device=device)
+    loss.index_add_(0, sample, -logp)
     loss /= counts.float()
     return BatchEmbedding(
         embedding=emb.cpu().numpy(),
@@ -129,3 +144,60 @@ def l2_normalise(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     """Rows of (N, d) ``x`` divided by max(L2 norm, eps), as float32: zero rows stay zero."""
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return (x / np.maximum(norms, eps)).astype(np.float32)
+
+
+def embed_samples(
+    model,
+    encoded: Sequence[EncodedSample],
+    pad_token_id: int,
+    *,
+    max_batch_size: int = 16,
+    max_batch_tokens: int = 8192,
+    packing: bool = True,
+    max_packed_length: int = 512,
+    chunk_rows: int = 1024,
+    autocast_dtype: torch.dtype | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> tuple[BatchEmbedding, bool]:
+    """:func:`embed_batch` over many samples, batched: packed (``packing`` and a model that keeps
+    packed samples apart, :func:`~cluster_pipeline.core.packing.can_pack`): groups of at most
+    ``max_batch_tokens`` real tokens in rows of at most ``max_packed_length``; else padded:
+    length-sorted batches of at most ``max_batch_size`` samples and ``max_batch_tokens`` padded
+    tokens. The results do not depend on the batching (to float32 rounding).
+
+    Args:
+        encoded: the samples; those with a ``skip_reason`` are not run.
+        on_batch: called with (samples, real tokens) after each batch.
+
+    Returns:
+        (results for every sample of ``encoded`` in order: zero vectors, nan loss and T = 0 for
+        skipped ones; whether the batches were packed).
+    """
+    n = len(encoded)
+    d = int(model.config.get_text_config().hidden_size)
+    emb = np.zeros((n, d), dtype=np.float32)
+    hmean = np.zeros((n, d), dtype=np.float32)
+    loss = np.full(n, np.nan, dtype=np.float32)
+    counts = np.zeros(n, dtype=np.int64)
+    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
+    lengths = [len(encoded[i]) for i in usable]
+    packed = packing and bool(usable) and can_pack(model)
+    if packed:
+        batches = [
+            [[usable[j] for j in row] for row in rows]
+            for rows in token_batches(lengths, max_batch_tokens, max_packed_length)
+        ]
+    else:
+        batches = [
+            [[usable[j]] for j in idx]
+            for idx in length_batches(lengths, max_batch_size, max_batch_tokens)
+        ]
+    for rows in batches:
+        idx = [i for row in rows for i in row]
+        batch = collate_rows(encoded, rows, pad_token_id, packed=packed)
+        out = embed_batch(model, batch, chunk_rows, autocast_dtype)
+        emb[idx], hmean[idx] = out.embedding, out.hidden_mean
+        loss[idx], counts[idx] = out.mean_loss, out.n_response_tokens
+        if on_batch is not None:
+            on_batch(len(idx), real_tokens(batch))
+    return BatchEmbedding(emb, hmean, loss, counts), packed

@@ -45,18 +45,17 @@ import polars as pl
 import torch
 from pydantic import Field, field_validator
 
-from cluster_pipeline.core.embedding import embed_batch
+from cluster_pipeline.core.embedding import embed_samples
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.sandbox import check_sandbox, run_python
 from cluster_pipeline.core.tokenization import (
     ChatTemplateError,
     EncodedSample,
+    PackingSettings,
     SequenceSettings,
-    collate,
     encode_rows,
     encode_sample,
     encode_texts,
-    length_batches,
     prompt_ids,
 )
 
@@ -98,19 +97,23 @@ def response_losses(
     encoded: Sequence[EncodedSample],
     max_batch_size: int = 8,
     max_batch_tokens: int = 8192,
+    packing: PackingSettings | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(response tokens T, mean cross-entropy in nats/token) per sample, each (n,), in the
-    order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss."""
-    n = len(encoded)
-    tokens, losses = np.zeros(n, dtype=np.int64), np.full(n, np.nan)
-    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
-    lengths = [len(encoded[i]) for i in usable]
-    for idx in length_batches(lengths, max_batch_size, max_batch_tokens):
-        rows = [usable[j] for j in idx]
-        out = embed_batch(model, collate([encoded[i] for i in rows], tokenizer.pad_token_id))
-        tokens[rows] = out.n_response_tokens
-        losses[rows] = out.mean_loss
-    return tokens, losses
+    order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss. Batches are
+    packed per ``packing`` (default: packed rows of up to 512 tokens) where the model can pack;
+    the numbers do not depend on it."""
+    packing = packing or PackingSettings()
+    out, _ = embed_samples(
+        model,
+        encoded,
+        tokenizer.pad_token_id,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        packing=packing.packing,
+        max_packed_length=packing.max_packed_length,
+    )
+    return out.n_response_tokens, np.where(out.n_response_tokens > 0, out.mean_loss, np.nan)
 
 
 def sequence_counts(encoded: Sequence[EncodedSample]) -> dict[str, dict[str, int]]:
@@ -144,7 +147,14 @@ def heldout_loss(
         ValueError: no held-out sample keeps a response token.
     """
     encoded = encode_rows(tokenizer, frame, settings)
-    tokens, losses = response_losses(model, tokenizer, encoded, max_batch_size, max_batch_tokens)
+    tokens, losses = response_losses(
+        model,
+        tokenizer,
+        encoded,
+        max_batch_size,
+        max_batch_tokens,
+        settings if isinstance(settings, PackingSettings) else None,
+    )
     keep = tokens > 0
     if not keep.any():
         raise ValueError("no held-out sample has a response token; raise max_length")
@@ -254,7 +264,12 @@ def load_mmlu(
 
 
 def mmlu_accuracy(
-    model, tokenizer, questions: list[dict], max_length: int = 512, batch_size: int = 8
+    model,
+    tokenizer,
+    questions: list[dict],
+    max_length: int = 512,
+    batch_size: int = 8,
+    packing: PackingSettings | None = None,
 ) -> tuple[float, list[dict]]:
     """Accuracy of picking the option with the highest log-likelihood (sum over its tokens)."""
     letters = "ABCD"
@@ -271,11 +286,9 @@ def mmlu_accuracy(
             encoded.append(encode_sample(tokenizer, "", prompt, str(option), max_length))
             owners.append((qi, oi))
     scores = np.full((len(questions), 4), -np.inf)
-    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
-    for idx in length_batches([len(encoded[i]) for i in usable], batch_size, 8192):
-        batch_ids = [usable[j] for j in idx]
-        out = embed_batch(model, collate([encoded[i] for i in batch_ids], tokenizer.pad_token_id))
-        for i, loss, t in zip(batch_ids, out.mean_loss, out.n_response_tokens, strict=True):
+    tokens, losses = response_losses(model, tokenizer, encoded, batch_size, packing=packing)
+    for i, (loss, t) in enumerate(zip(losses, tokens, strict=True)):
+        if t > 0:
             qi, oi = owners[i]
             scores[qi, oi] = -float(loss) * int(t)
     predicted = scores.argmax(axis=1)
@@ -348,7 +361,12 @@ def encode_solution(tokenizer, problem: CodeProblem, max_length: int) -> Encoded
 
 
 def solution_nll(
-    model, tokenizer, problems: list[CodeProblem], max_length: int = 1024, batch_size: int = 8
+    model,
+    tokenizer,
+    problems: list[CodeProblem],
+    max_length: int = 1024,
+    batch_size: int = 8,
+    packing: PackingSettings | None = None,
 ) -> tuple[float, ItemScores]:
     """Token-weighted NLL (nats/token) of the reference solutions of ``problems`` that have one.
 
@@ -356,7 +374,7 @@ def solution_nll(
     """
     scored = [p for p in problems if p.solution is not None]
     encoded = [encode_solution(tokenizer, p, max_length) for p in scored]
-    tokens, losses = response_losses(model, tokenizer, encoded, batch_size)
+    tokens, losses = response_losses(model, tokenizer, encoded, batch_size, packing=packing)
     keep = tokens > 0
     items = ItemScores(
         [p.task_id for p, k in zip(scored, keep, strict=True) if k],
@@ -483,10 +501,10 @@ def code_pass_at_1(
     return pass1, records
 
 
-class EvalSettings(SequenceSettings):
+class EvalSettings(SequenceSettings, PackingSettings):
     """Knobs of one model's evaluation (the ``eval_report`` run config inherits them); the
     sequence knobs (max_length, truncation, response_turns) apply to the held-out loss as in
-    training."""
+    training, the batching knobs (packing, max_packed_length) to every likelihood pass."""
 
     batch_size: int = Field(default=8, ge=1, description="Samples per forward/generate batch.")
     # list[str], not list[Benchmark]: Dagster's run config cannot express a list of literals.
@@ -607,7 +625,7 @@ def evaluate_model(
     for name, suite in suites.items():
         if name not in CODE_BENCHMARKS:
             score, records = mmlu_accuracy(
-                model, tokenizer, suite, settings.max_length, settings.batch_size
+                model, tokenizer, suite, settings.max_length, settings.batch_size, settings
             )
             metrics[f"{name}_accuracy"] = score
             items[f"{name}_accuracy"] = mmlu_items(records)
@@ -635,7 +653,12 @@ def evaluate_model(
             log(f"{name}: {score:.4f}")
         if any(p.solution is not None for p in suite):
             nll, nll_items = solution_nll(
-                model, tokenizer, suite, max(settings.max_length, 1024), settings.batch_size
+                model,
+                tokenizer,
+                suite,
+                max(settings.max_length, 1024),
+                settings.batch_size,
+                settings,
             )
             metrics[f"{name}_solution_nll"] = nll
             items[f"{name}_solution_nll"] = nll_items

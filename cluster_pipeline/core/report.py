@@ -167,6 +167,8 @@ class ModelResult:
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     setup: dict[str, Any] = field(default_factory=dict)
     rank_weights: list[float] | None = None
+    # Real tokens / (ranks x the busiest rank's tensor tokens) over the run (training/plan.py).
+    useful_compute_fraction: float | None = None
 
 
 def evaluate_entries(
@@ -214,6 +216,7 @@ def evaluate_entries(
                 data_fraction=ckpt.data_fraction if ckpt else None,
                 gradient_diversity=prov.get("gradient_diversity"),
                 grad_cosine=ckpt.mean_grad_cosine() if ckpt else None,
+                useful_compute_fraction=ckpt.info.get("useful_compute_fraction") if ckpt else None,
                 current=Path(entry.path) == Path(current),
                 loss_curve=ckpt.loss_curve() if ckpt else [],
                 setup=entry.setup,
@@ -230,6 +233,7 @@ RUN_COLUMNS = (
     "data_fraction",
     "gradient_diversity",
     "grad_cosine",
+    "useful_compute_fraction",
 )
 
 
@@ -397,14 +401,16 @@ def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
 
 def cost_table(rows: list[dict], full_seconds: float | None) -> str:
     """Per group: selection and training seconds, the net time saved against full-data
-    training (selection counted), and the mechanism: gradient diversity of the subset and the
-    mean inter-rank gradient cosine during training."""
+    training (selection counted), the share of training compute spent on real tokens, and the
+    mechanism: gradient diversity of the subset and the mean inter-rank gradient cosine during
+    training."""
     head = [
         "model",
         "selection s",
         "train s",
         "selection + train s",
         "net saved s",
+        "useful compute",
         "gradient diversity",
         "inter-rank grad cosine",
     ]
@@ -425,6 +431,7 @@ def cost_table(rows: list[dict], full_seconds: float | None) -> str:
                     _fmt(r["train_seconds"], r["train_seconds_std"], n, 1),
                     _fmt(total, 0.0, 1, 1),
                     _fmt(saved, 0.0, 1, 1),
+                    _fmt(r["useful_compute_fraction"], r["useful_compute_fraction_std"], n, 3),
                     _fmt(r["gradient_diversity"], r["gradient_diversity_std"], n, 4),
                     _fmt(r["grad_cosine"], r["grad_cosine_std"], n, 4),
                 ]
@@ -664,6 +671,12 @@ def render_report(
         f"| selection: embedding pass + clustering + subsets + shards (model load excluded) | "
         f"{selection_seconds:.1f} s |\n"
         f"| training (measured) | {train_s:.1f} s at data fraction {fraction:.3f} |\n"
+        + (
+            f"| useful compute (real tokens / ranks x busiest rank's tensor tokens, per step) | "
+            f"{current_result.useful_compute_fraction:.3f} |\n"
+            if current_result.useful_compute_fraction is not None
+            else ""
+        )
         + (
             f"| rank weights (loss multipliers w_c = n_c K / N, rank order) | "
             f"{', '.join(f'{w:.4f}' for w in weights)} |\n"

@@ -1,10 +1,14 @@
 """Allocation (docs/design.md, step 4): one shard manifest per data-parallel rank.
 
 For the clustered selectors, cluster c is trained on rank c, with the cluster's weight w_c. For
-``random_global`` and ``full`` the selected samples are shuffled and dealt into K equal shards
-(weight 1); up to K - 1 samples that do not fill a last row are dropped and counted. Every shard
-holds the same number of samples, so every rank takes the same number of optimizer steps
-(unequal counts hang DDP). Each shard's order is a seeded shuffle.
+``random_global`` and ``full`` the selected samples are shuffled and dealt into K shards (weight
+1): under sample balance K equal shards, up to K - 1 samples that do not fill a last row dropped
+and counted; under token balance each sample, in the shuffled order, goes to the rank with the
+fewest tokens so far (so the ranks' totals differ by less than one sample, nothing dropped).
+Under sample balance every shard holds the same number of samples; under token balance the same
+number of tokens, to within one sample. Either way the trainer plans the same number of
+optimizer steps on every rank (unequal counts hang DDP; training/plan.py). Each shard's order is
+a seeded shuffle.
 
 A manifest's content hash is the sha256 of its ordered ``sample_id``/weight lines; a checkpoint
 names the hashes of the manifests it was trained on.
@@ -28,9 +32,11 @@ from cluster_pipeline.core.selection import (
 
 # The checks of :func:`check_allocation`, by name, as the asset checks describe them.
 CHECKS = {
-    "equal_shards": "Every rank holds the same number of samples (else DDP hangs).",
+    "equal_shards": "Every rank holds the same number of samples (sample balance) or of tokens "
+    "to within its longest sample or 2 % (token balance), so no rank waits for another.",
     "coverage": "Every selected sample (with its copies) is in exactly one shard position.",
-    "weights": "Each rank's loss weight equals n_c K / N recomputed from the cluster labels.",
+    "weights": "Each rank's loss weight equals n_c K / N (sample balance) or K R_c / R (token "
+    "balance, R_c the cluster's response tokens), recomputed from the cluster labels.",
 }
 
 MANIFEST_SCHEMA = {
@@ -53,6 +59,9 @@ class ShardManifest:
     weight: float
     seed: int
     sample_ids: tuple[str, ...]
+    # Tokens of the shard's samples as the embedding pass counted them (0 if unknown); not part
+    # of the content hash.
+    tokens: int = 0
 
     @property
     def n_samples(self) -> int:
@@ -106,7 +115,18 @@ class Allocation:
 
     @property
     def shard_size(self) -> int:
-        return self.manifests[0].n_samples
+        """Samples of the largest shard (all shards under sample balance)."""
+        return max(m.n_samples for m in self.manifests)
+
+    @property
+    def tokens_per_rank(self) -> list[int]:
+        return [m.tokens for m in self.manifests]
+
+    @property
+    def token_spread(self) -> float:
+        """(max - min) / max of the ranks' tokens: 0 is perfect balance."""
+        t = self.tokens_per_rank
+        return (max(t) - min(t)) / max(t) if max(t) > 0 else 0.0
 
 
 def allocate(
@@ -116,30 +136,49 @@ def allocate(
     selection: SelectionResult,
     k: int,
     seed: int = 0,
+    lengths: np.ndarray | None = None,
 ) -> Allocation:
     """Build the K shard manifests from a selection.
 
     Args:
         sample_ids: (N,) str.
         labels: (N,) int64 cluster per sample.
-        selection: the selector's result over the same N samples.
+        selection: the selector's result over the same N samples; its ``balance`` decides how
+            unclustered selections are dealt.
         k: world size K.
+        lengths: (N,) int64 tokens per sample (needed under token balance; recorded in the
+            manifests when given).
 
     Raises:
-        ValueError: fewer selected samples than ranks, or (a bug upstream) clustered shards of
-            unequal size.
+        ValueError: fewer selected samples than ranks, token balance without lengths, or (a
+            bug upstream) clustered shards of unequal size under sample balance.
     """
     sample_ids = np.asarray(sample_ids)
     rng = np.random.default_rng(seed)
     expanded = np.repeat(np.arange(len(sample_ids)), selection.copies)
+    by_tokens = selection.balance == "tokens"
+    if by_tokens and lengths is None:
+        raise ValueError("token balance needs the samples' lengths")
     if selection.selector in CLUSTER_SELECTORS:
         shards = []
         for c in range(k):
             members = expanded[labels[expanded] == c]
             shards.append(members[rng.permutation(len(members))])
-        if len({len(s) for s in shards}) != 1:
+        if not by_tokens and len({len(s) for s in shards}) != 1:
             raise ValueError(f"shards of unequal size {[len(s) for s in shards]}")
         weights = selection.cluster_weights
+        dropped = 0
+    elif by_tokens and lengths is not None:
+        if len(expanded) < k:
+            raise ValueError(f"{len(expanded)} selected samples cannot fill {k} ranks")
+        shuffled = expanded[rng.permutation(len(expanded))]
+        load = np.zeros(k, dtype=np.int64)
+        owner = np.empty(len(shuffled), dtype=np.int64)
+        for j, i in enumerate(shuffled):
+            owner[j] = int(np.argmin(load))
+            load[owner[j]] += lengths[i]
+        shards = [shuffled[owner == c] for c in range(k)]
+        weights = np.ones(k)
         dropped = 0
     else:
         per_rank = len(expanded) // k
@@ -158,6 +197,7 @@ def allocate(
             weight=float(weights[c]),
             seed=seed,
             sample_ids=tuple(str(s) for s in sample_ids[shards[c]]),
+            tokens=int(lengths[shards[c]].sum()) if lengths is not None else 0,
         )
         for c in range(k)
     ]
@@ -195,21 +235,39 @@ def check_allocation(
     labels: np.ndarray,
     selection: SelectionResult,
     dropped: int,
+    lengths: np.ndarray | None = None,
+    response_tokens: np.ndarray | None = None,
 ) -> dict[str, tuple[bool, str]]:
     """Independent checks of an allocation against the selection it came from.
 
     Returns ``{name: (passed, description)}`` for:
 
-    - ``equal_shards``: every rank holds the same number of samples (DDP needs equal steps);
+    - ``equal_shards``: under sample balance every rank holds the same number of samples; under
+      token balance the ranks' token totals (recomputed from ``lengths``) differ by at most the
+      longest sample or 2 % of the largest total, whichever is more;
     - ``coverage``: the multiset of shard samples equals the selected samples with their copies
       (less the ``dropped`` remainder for the unclustered selectors);
-    - ``weights``: each clustered rank's weight is n_c K / N of its cluster, recomputed from the
-      labels (1 for the other selectors).
+    - ``weights``: each clustered rank's weight is n_c K / N of its cluster (sample balance) or
+      K R_c / R (token balance, R_c the cluster's response tokens), recomputed from the labels
+      and ``response_tokens`` (1 for the other selectors).
     """
     from collections import Counter
 
     sizes = [m.n_samples for m in manifests]
-    out = {"equal_shards": (len(set(sizes)) == 1, f"shard sizes {sizes}")}
+    if selection.balance == "tokens" and lengths is not None:
+        index = {str(s): i for i, s in enumerate(sample_ids)}
+        tokens = [int(sum(lengths[index[s]] for s in m.sample_ids)) for m in manifests]
+        longest = int(max(lengths[index[s]] for m in manifests for s in m.sample_ids))
+        allowed = max(longest, 0.02 * max(tokens))
+        out = {
+            "equal_shards": (
+                max(tokens) - min(tokens) <= allowed,
+                f"tokens per rank {tokens} (spread {max(tokens) - min(tokens)}, allowed "
+                f"{allowed:.0f}), samples per rank {sizes}",
+            )
+        }
+    else:
+        out = {"equal_shards": (len(set(sizes)) == 1, f"shard sizes {sizes}")}
     pairs = zip(sample_ids, selection.copies, strict=True)
     expected = Counter({str(s): int(c) for s, c in pairs if c > 0})
     actual = Counter(sid for m in manifests for sid in m.sample_ids)
@@ -222,7 +280,12 @@ def check_allocation(
         f"(allowed {dropped}), {extra} not selected",
     )
     k = len(manifests)
-    if selection.selector in REWEIGHTED_SELECTORS:
+    if selection.selector in REWEIGHTED_SELECTORS and selection.balance == "tokens":
+        if response_tokens is None:
+            raise ValueError("checking token-balance weights needs the response tokens")
+        r_c = np.bincount(labels, weights=response_tokens, minlength=k)
+        want = r_c * k / r_c.sum()
+    elif selection.selector in REWEIGHTED_SELECTORS:
         n_c = np.bincount(labels, minlength=k)
         want = n_c * k / n_c.sum()
     else:

@@ -53,7 +53,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-IGNORE_INDEX = -100
+# Defined beside the batch layout (torch-only); tokenization and the loss share it.
+from cluster_pipeline.core.packing import IGNORE_INDEX as IGNORE_INDEX
 
 SKIP_EMPTY_RESPONSE = "empty_response"
 SKIP_NO_RESPONSE_TOKENS = "no_response_tokens"
@@ -82,6 +83,28 @@ class SequenceSettings(BaseModel):
         default="all",
         description="Which assistant turns of a multi-turn conversation are trained and "
         "scored: all, or only the last.",
+    )
+
+
+class PackingSettings(BaseModel):
+    """Whether and how batches are packed; the same knobs in the embedding pass, training and
+    the held-out loss (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    packing: bool = Field(
+        default=True,
+        description="Padding-free batches: samples concatenated into rows (position ids "
+        "restart per sample, attention never crosses a sample). Off = one sample per row, "
+        "padded to the longest. Models that cannot pack fall back to padding (one log line "
+        "says so).",
+    )
+    max_packed_length: int = Field(
+        default=512,
+        ge=1,
+        description="Tokens per packed row (a batch holds several rows). On CPU attention costs "
+        "the square of a row's length, so rows are kept short (benchmarks/"
+        "training_throughput.py); GPUs with flash-attention can take longer rows.",
     )
 
 

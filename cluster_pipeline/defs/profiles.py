@@ -28,14 +28,18 @@ DEFAULT_PROFILE = "cpu_quick"
 # The knobs a profile sets and a profile's run config shows, per stage.
 KNOBS: dict[str, tuple[type[dg.Config], tuple[str, ...]]] = {
     "raw_instructions": (RawInstructionsConfig, ("max_train_samples", "max_heldout")),
-    "proxy_embeddings": (ProxyEmbeddingsConfig, ("max_length", "world_size", "bf16")),
+    "proxy_embeddings": (
+        ProxyEmbeddingsConfig,
+        ("max_length", "world_size", "bf16", "max_packed_length"),
+    ),
     "balanced_clusters": (BalancedClustersConfig, ("num_clusters", "alpha")),
-    "peripheral_subsets": (PeripheralSubsetsConfig, ("selector", "ratio")),
+    "peripheral_subsets": (PeripheralSubsetsConfig, ("selector", "ratio", "balance")),
     "trained_checkpoint": (
         TrainedCheckpointConfig,
         (
             "max_length",
-            "per_device_batch_size",
+            "max_tokens_per_micro_batch",
+            "max_packed_length",
             "gradient_accumulation_steps",
             "epochs",
             "learning_rate",
@@ -53,15 +57,23 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     DEFAULT_PROFILE: {},
     # One node of 8 GPUs, as in the CluSTER paper's runs (7B models, 4-8 H100s): the whole pool,
     # 2,048-token samples, K = 8 clusters = 8 training ranks, 8 embedding ranks, bfloat16,
-    # 3 epochs at an effective batch of 8 ranks x 4 x 4 = 128 and learning rate 2e-5, and every
-    # HumanEval and MBPP problem. Set num_clusters and world_size to your GPU count.
+    # 3 epochs at 8 ranks x 4 packed micro-batches of 8,192 tokens per step (about 128 samples
+    # of ~500 tokens) and learning rate 2e-5, rows up to 4,096 tokens (GPU attention pays
+    # little for long rows), and every HumanEval and MBPP problem. Set num_clusters and
+    # world_size to your GPU count.
     "gpu8": {
         "raw_instructions": {"max_train_samples": None, "max_heldout": 500},
-        "proxy_embeddings": {"max_length": 2048, "world_size": 8, "bf16": True},
+        "proxy_embeddings": {
+            "max_length": 2048,
+            "world_size": 8,
+            "bf16": True,
+            "max_packed_length": 4096,
+        },
         "balanced_clusters": {"num_clusters": 8},
         "trained_checkpoint": {
             "max_length": 2048,
-            "per_device_batch_size": 4,
+            "max_tokens_per_micro_batch": 8192,
+            "max_packed_length": 4096,
             "gradient_accumulation_steps": 4,
             "epochs": 3,
             "learning_rate": 2e-5,

@@ -194,6 +194,12 @@ class PeripheralSubsetsRecord(SelectionRecord):
     selected_samples: int
     data_fraction: float
     cluster_weights: list[float]
+    # samples or tokens (core/selection.py); the token budget per cluster under token balance;
+    # what each cluster kept (copies counted).
+    balance: str = "samples"
+    token_budget: int | None = None
+    samples_per_cluster: list[int] = field(default_factory=list)
+    tokens_per_cluster: list[int] = field(default_factory=list)
     # Of the subset as trained (copies counted), from its proxy embeddings; see
     # core/statistics.gradient_diversity. The pool's, for scale.
     gradient_diversity: float = float("nan")
@@ -211,6 +217,11 @@ class ShardManifestsRecord(SelectionRecord):
     manifest_sha256: list[str]
     manifest_set_sha256: str
     rank_weights: list[float]
+    balance: str = "samples"
+    samples_per_rank: list[int] = field(default_factory=list)
+    # Tokens per rank as the embedding pass counted them, and (max - min) / max.
+    tokens_per_rank: list[int] = field(default_factory=list)
+    token_spread: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +244,11 @@ class TrainedCheckpointRecord(StageRecord):
     samples_per_rank: int
     # The loss multiplier each rank applied (w_c, or 1 with reweight: false), in rank order.
     rank_weights: list[float] = field(default_factory=list)
+    # Whether batches were packed, and Σ real tokens / Σ (world size x busiest rank's padded
+    # tokens) over the run's steps (training/plan.py); seconds each rank waited for the others.
+    packed: bool = False
+    useful_compute_fraction: float | None = None
+    wait_seconds_per_rank: list[float] = field(default_factory=list)
     selection_seconds: float
     config: dict[str, Any]
 

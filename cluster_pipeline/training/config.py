@@ -17,7 +17,7 @@ from typing import Any, Literal, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster_pipeline.core.evaluation import EvalSettings
-from cluster_pipeline.core.tokenization import SequenceSettings
+from cluster_pipeline.core.tokenization import PackingSettings, SequenceSettings
 
 Schedule = Literal["cosine", "linear", "constant"]
 Parallelism = Literal["ddp", "fsdp"]
@@ -45,19 +45,28 @@ class JobFile(_Model):
         return Path(path)
 
 
-class EmbedSettings(_Model, SequenceSettings):
+class EmbedSettings(_Model, SequenceSettings, PackingSettings):
     """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1); the sequence knobs
-    (max_length, truncation, response_turns) are :class:`SequenceSettings`."""
+    (max_length, truncation, response_turns) are :class:`SequenceSettings`, the batching knobs
+    (packing, max_packed_length) :class:`PackingSettings`."""
 
-    max_batch_size: int = Field(default=16, ge=1, description="Max samples per forward pass.")
-    max_batch_tokens: int = Field(default=8192, ge=1, description="Max padded tokens per batch.")
+    max_batch_size: int = Field(
+        default=16, ge=1, description="Without packing: max samples per forward pass."
+    )
+    max_batch_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="Max tokens per forward pass (packed: real tokens; padded: padded tokens).",
+    )
     chunk_size: int = Field(default=512, ge=1, description="Samples per resumable chunk.")
     bf16: bool = Field(default=False, description="bfloat16 autocast for the forward pass.")
 
     def cache_fields(self) -> dict[str, Any]:
         """The settings that change the stored embeddings (batching does not: padding is
         masked and position ids count real tokens)."""
-        return self.model_dump(exclude={"max_batch_size", "max_batch_tokens"})
+        return self.model_dump(
+            exclude={"max_batch_size", "max_batch_tokens", "packing", "max_packed_length"}
+        )
 
 
 class EmbedJob(JobFile):
@@ -75,12 +84,22 @@ class EmbedJob(JobFile):
     progress_every_s: float = Field(default=5.0, gt=0)
 
 
-class TrainSettings(_Model, SequenceSettings):
+class TrainSettings(_Model, SequenceSettings, PackingSettings):
     """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5); the sequence knobs
-    (max_length, truncation, response_turns) are :class:`SequenceSettings`."""
+    (max_length, truncation, response_turns) are :class:`SequenceSettings`, the batching knobs
+    (packing, max_packed_length) :class:`PackingSettings`."""
 
+    max_tokens_per_micro_batch: int = Field(
+        default=1024,
+        ge=1,
+        description="With packing: real tokens per rank per micro-batch (a longer sample goes "
+        "alone).",
+    )
     per_device_batch_size: int = Field(
-        default=4, ge=1, description="Samples per rank per micro-batch."
+        default=4,
+        ge=1,
+        description="Without packing (or for a model that cannot pack): samples per rank per "
+        "micro-batch.",
     )
     gradient_accumulation_steps: int = Field(
         default=2, ge=1, description="Micro-batches per optimizer step."

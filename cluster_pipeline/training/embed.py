@@ -46,10 +46,11 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from cluster_pipeline.core.datasets import read_instructions
-from cluster_pipeline.core.embedding import embed_batch, l2_normalise
+from cluster_pipeline.core.embedding import embed_samples, l2_normalise
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
+from cluster_pipeline.core.packing import can_pack
 from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series
-from cluster_pipeline.core.tokenization import collate, encode_rows, length_batches
+from cluster_pipeline.core.tokenization import encode_rows
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
 from cluster_pipeline.training.distributed import all_gather_floats, run_entry_point
 
@@ -339,23 +340,21 @@ def embed_frame(
     response token get a ``skip_reason`` and a null embedding.
     """
     encoded = encode_rows(tokenizer, frame, settings)
-    n, d = len(encoded), model.config.hidden_size
-    emb = np.zeros((n, d), dtype=np.float32)
-    hmean = np.zeros((n, d), dtype=np.float32)
-    loss = np.full(n, np.nan, dtype=np.float32)
+    n = len(encoded)
+    out, _ = embed_samples(
+        model,
+        encoded,
+        tokenizer.pad_token_id,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        packing=settings.packing,
+        max_packed_length=settings.max_packed_length,
+        chunk_rows=lm_head_chunk_rows,
+        autocast_dtype=torch.bfloat16 if settings.bf16 else None,
+        on_batch=on_batch,
+    )
+    emb, hmean, loss = out.embedding, out.hidden_mean, out.mean_loss
     n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
-    usable = [i for i, e in enumerate(encoded) if e.skip_reason is None]
-    lengths = [len(encoded[i]) for i in usable]
-    autocast = torch.bfloat16 if settings.bf16 else None
-    for batch_pos in length_batches(lengths, settings.max_batch_size, settings.max_batch_tokens):
-        idx = [usable[j] for j in batch_pos]
-        batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id, "right")
-        out = embed_batch(model, batch, lm_head_chunk_rows, autocast)
-        emb[idx] = out.embedding
-        hmean[idx] = out.hidden_mean
-        loss[idx] = out.mean_loss
-        if on_batch is not None:
-            on_batch(len(idx), int(batch["attention_mask"].sum()))
     skip = [e.skip_reason for e in encoded]
     vectors = [None if skip[i] else emb[i].tolist() for i in range(n)]
     means = [None if skip[i] else hmean[i].tolist() for i in range(n)]
@@ -437,6 +436,11 @@ def run_pass(job: EmbedJob, env, report) -> None:
                 f"ETA {eta:.0f} s"
             )
 
+    if cfg.packing and not can_pack(model):
+        report.info(
+            f"packing is on but {type(model).__name__} attends across packed samples "
+            "(core/packing.can_pack): embedding with padded batches"
+        )
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
         out = embed_frame(model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch)

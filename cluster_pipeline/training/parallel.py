@@ -360,9 +360,10 @@ def training_bytes_per_rank(
 def activation_bytes(model_path: str, cfg: TrainSettings) -> int:
     """Estimated bytes of activations one rank keeps for backward, the same under DDP and
     FSDP2 (each rank runs its own micro-batch), a stated approximation: tokens per micro-batch
-    (``per_device_batch_size`` x ``max_length``, an upper bound: batches are padded to their
-    longest sample) x 4 bytes x (layers x hidden x :data:`ACTIVATION_VALUES_PER_HIDDEN`, the
-    layers' activations, + 2 x vocabulary, the float32 logits and the log-softmax the loss
+    (packed: ``max_tokens_per_micro_batch``, or ``max_length`` for a longer sample alone;
+    padded: ``per_device_batch_size`` x ``max_length``, an upper bound: batches are padded to
+    their longest sample) x 4 bytes x (layers x hidden x :data:`ACTIVATION_VALUES_PER_HIDDEN`,
+    the layers' activations, + 2 x vocabulary, the float32 logits and the log-softmax the loss
     keeps). With gradient checkpointing the layers keep only their inputs (hidden values per
     token) and one layer at a time its full activations. Measured on SmolLM2-135M at 2 x 128
     tokens: 0.37 GiB estimated, about 0.3 GiB of RSS growth in the forward pass besides FSDP2's
@@ -371,7 +372,11 @@ def activation_bytes(model_path: str, cfg: TrainSettings) -> int:
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    tokens = cfg.per_device_batch_size * cfg.max_length
+    tokens = (
+        max(cfg.max_tokens_per_micro_batch, cfg.max_length)
+        if cfg.packing
+        else cfg.per_device_batch_size * cfg.max_length
+    )
     per_layer = ACTIVATION_VALUES_PER_HIDDEN * hidden
     values = (
         layers * hidden + per_layer if cfg.gradient_checkpointing else layers * per_layer
@@ -437,7 +442,11 @@ def check_training_memory(
     if checkpointed_activations is not None and not cfg.gradient_checkpointing:
         ways.append(way("gradient_checkpointing: true", weights + checkpointed_activations))
     if activations:
-        ways.append("a smaller per_device_batch_size or max_length (activations grow with both)")
+        ways.append(
+            "a smaller max_tokens_per_micro_batch or max_length (activations grow with both)"
+            if cfg.packing
+            else "a smaller per_device_batch_size or max_length (activations grow with both)"
+        )
     ways.append(
         "more ranks (balanced_clusters.num_clusters)"
         if cfg.parallelism == "fsdp"

@@ -51,6 +51,7 @@ import polars as pl
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
 
 from cluster_pipeline.core.checkpoints import (
     TRAINING_INFO,
@@ -65,8 +66,9 @@ from cluster_pipeline.core.modeling import (
     load_tokenizer,
     safetensors_files,
 )
+from cluster_pipeline.core.packing import can_pack
 from cluster_pipeline.core.sharding import ShardManifest
-from cluster_pipeline.core.tokenization import EncodedSample, collate, encode_rows
+from cluster_pipeline.core.tokenization import EncodedSample, encode_rows
 from cluster_pipeline.training.config import TrainJob, TrainSettings
 from cluster_pipeline.training.distributed import (
     DistEnv,
@@ -91,21 +93,10 @@ from cluster_pipeline.training.parallel import (
     total_norm,
     wrap,
 )
+from cluster_pipeline.training.plan import Step, plan_packed, plan_padded, useful_compute_fraction
+from cluster_pipeline.training.step import accumulate, clock
 
 TRAINING_STATE = "training_state.pt"
-
-
-def steps_per_epoch(n_samples: int, batch_size: int, accumulation: int) -> int:
-    """Optimizer steps for one pass over ``n_samples``: ceil(n / (batch_size * accumulation))."""
-    return math.ceil(n_samples / (batch_size * accumulation))
-
-
-def total_steps(n_samples: int, settings: TrainSettings) -> int:
-    """Optimizer steps of the whole run: epochs x steps per epoch, capped by ``max_steps``."""
-    steps = settings.epochs * steps_per_epoch(
-        n_samples, settings.per_device_batch_size, settings.gradient_accumulation_steps
-    )
-    return steps if settings.max_steps is None else min(steps, settings.max_steps)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -123,43 +114,6 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-def weighted_loss(model, batch: dict[str, torch.Tensor], weight: float, accumulation: int):
-    """Rank loss for one micro-batch: w_c x (mean response-token cross-entropy) / accumulation.
-
-    Returns (scaled loss to backpropagate, unscaled mean token loss, response tokens).
-    """
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        labels=batch["labels"],
-        use_cache=False,
-    )
-    return (
-        out.loss * (weight / accumulation),
-        out.loss.detach(),
-        int((batch["labels"] != -100).sum()),
-    )
-
-
-def step_plan(
-    n_samples: int, settings: TrainSettings, n_steps: int
-) -> list[tuple[int, list[np.ndarray]]]:
-    """(epoch, micro-batches of sample positions) for every optimizer step, fixed in advance so
-    that a resumed run sees exactly the batches the interrupted one would have. The training
-    seed sets the data order: epoch e visits the shard in the permutation drawn from
-    ``default_rng([seed, e])``, so runs that differ only in their training seed see the same
-    samples in another order."""
-    batch, acc = settings.per_device_batch_size, settings.gradient_accumulation_steps
-    per_epoch = steps_per_epoch(n_samples, batch, acc)
-    plan = []
-    for epoch in range(settings.epochs):
-        order = np.random.default_rng([settings.seed, epoch]).permutation(n_samples)
-        micro = [order[i : i + batch] for i in range(0, n_samples, batch)]
-        plan += [(epoch, micro[s * acc : (s + 1) * acc]) for s in range(per_epoch)]
-    return plan[:n_steps]
 
 
 def _git_commit() -> str | None:
@@ -213,7 +167,8 @@ class TrainRun:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     encoded: list[EncodedSample]
     weight: float
-    plan: list[tuple[int, list[np.ndarray]]]
+    plan: list[Step]
+    packed: bool
     manifest_hashes: list[str]
     resumed_from: Path | None
     memory: MemoryTrace
@@ -231,19 +186,54 @@ class TrainRun:
         return self.job.settings
 
 
-def check_equal_steps(n_samples: int, steps: int, env: DistEnv) -> None:
-    """Every rank must take the same number of optimizer steps (DDP hangs otherwise).
+def plan_steps(
+    encoded: list[EncodedSample], cfg: TrainSettings, packed: bool, env: DistEnv
+) -> list[Step]:
+    """This rank's step plan (training/plan.py), computed from every rank's sample lengths
+    (gathered: a collective) so that every rank plans the same steps and micro-batch counts.
 
     Raises:
-        ValueError: the ranks' step counts differ; the message lists (samples, steps) per rank.
+        ValueError: the ranks' plans differ in length (a bug: they are computed alike).
     """
-    counts = all_gather_floats([float(n_samples), float(steps)], env)
-    if len({c[1] for c in counts}) != 1:
-        raise ValueError(
-            "ranks would take different numbers of optimizer steps "
-            f"(samples, steps per rank: {[(int(a), int(b)) for a, b in counts]}); every shard "
-            "manifest must hold the same number of samples"
+    lengths = _gather_objects([len(e) for e in encoded], env)
+    if packed:
+        plans = plan_packed(
+            lengths,
+            cfg.max_tokens_per_micro_batch,
+            cfg.max_packed_length,
+            cfg.gradient_accumulation_steps,
+            cfg.epochs,
+            cfg.seed,
+            cfg.max_steps,
         )
+    else:
+        plans = plan_padded(
+            [len(x) for x in lengths],
+            cfg.per_device_batch_size,
+            cfg.gradient_accumulation_steps,
+            cfg.epochs,
+            cfg.seed,
+            cfg.max_steps,
+        )
+    if len({len(p) for p in plans}) != 1:
+        raise ValueError(f"the ranks' plans differ in length: {[len(p) for p in plans]}")
+    return plans[env.rank]
+
+
+def packing_works(model, vocab_size: int, cfg: TrainSettings, env: DistEnv) -> bool:
+    """Whether this run packs: ``packing`` on and the model keeps packed samples apart on every
+    rank (:func:`~cluster_pipeline.core.packing.can_pack`; a collective forward under FSDP)."""
+    if not cfg.packing:
+        return False
+    ok = can_pack(model, vocab_size=vocab_size)
+    if is_fsdp(model):
+        # A forward without backward leaves FSDP2's root parameters unsharded (the root keeps
+        # them for the backward that never comes): shard them again before the optimizer
+        # takes the parameters, or it would hold the full tensors of embeddings and head.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    return all(bool(g[0]) for g in all_gather_floats([float(ok)], env))
 
 
 def setup(job: TrainJob, env: DistEnv) -> TrainRun:
@@ -272,9 +262,6 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         raise ValueError(
             f"manifest {job.manifests[env.rank]} is for rank {manifest.rank}, not {env.rank}"
         )
-    steps = total_steps(manifest.n_samples, cfg)
-    check_equal_steps(manifest.n_samples, steps, env)
-
     torch.manual_seed(cfg.seed + env.rank)
     np.random.seed(cfg.seed + env.rank)
     checkpoints = CheckpointDir(intermediate_dir(job.output_dir))
@@ -310,6 +297,9 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
     if shard_load and files is not None:
         load_into_shards(model, files, env.device)
         memory.mark("shards loaded")
+    packed = packing_works(ddp_model, len(tokenizer), cfg, env)
+    plan = plan_steps(encoded, cfg, packed, env)
+    steps = len(plan)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=cfg.learning_rate,
@@ -328,7 +318,8 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         scheduler=scheduler,
         encoded=encoded,
         weight=manifest.weight if cfg.reweight else 1.0,
-        plan=step_plan(len(encoded), cfg, steps),
+        plan=plan,
+        packed=packed,
         manifest_hashes=manifest_hashes,
         resumed_from=resume,
         memory=memory,
@@ -381,29 +372,35 @@ def measure_grad_cosine(run: TrainRun) -> tuple[float, float]:
 
 
 def train_step(run: TrainRun) -> dict[str, Any]:
-    """One optimizer step over this step's micro-batches (gradients synchronised on the last
-    one only; on a gradient-cosine step, by :func:`measure_grad_cosine` after all of them);
-    returns its metrics record, gathered over ranks."""
+    """One optimizer step over this step's micro-batches (:func:`~cluster_pipeline.training.
+    step.accumulate`: gradients synchronised on the last one only; on a gradient-cosine step,
+    by :func:`measure_grad_cosine` after all of them); returns its metrics record, gathered
+    over ranks."""
     env, cfg = run.env, run.settings
-    t0 = time.time()
-    epoch, group = run.plan[run.step]
-    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    t0 = clock(env.device)
+    step = run.plan[run.step]
     ddp = run.ddp_model
     is_ddp = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
     every = cfg.grad_cosine_every
     measure = is_ddp and every is not None and (run.step + 1) % every == 0
-    losses, tokens = [], 0
-    for j, idx in enumerate(group):
-        batch = collate([run.encoded[i] for i in idx], run.tokenizer.pad_token_id, "right")
-        batch = {k: v.to(env.device) for k, v in batch.items()}
-        last = j == len(group) - 1
-        # DDP and FSDP synchronise gradients on every backward unless told otherwise: only the
-        # last micro-batch of an accumulation group synchronises (none, when measuring).
-        with gradient_sync(ddp, enabled=last and not measure), autocast:
-            loss, raw, n_tok = weighted_loss(ddp, batch, run.weight, len(group))
-            loss.backward()
-        losses.append(float(raw))
-        tokens += n_tok
+    done = accumulate(
+        ddp,
+        step,
+        run.encoded,
+        int(run.tokenizer.pad_token_id),
+        run.packed,
+        run.weight,
+        env.device,
+        lambda last: gradient_sync(ddp, enabled=last and not measure),
+        bf16=cfg.bf16,
+    )
+    loss_sum, tokens, real, padded, wait = (
+        done.loss_sum,
+        done.targets,
+        done.real_tokens,
+        done.padded_tokens,
+        done.wait_seconds,
+    )
     cosine = measure_grad_cosine(run) if measure else None
     grad_norm = total_norm(
         torch.nn.utils.clip_grad_norm_(
@@ -416,11 +413,23 @@ def train_step(run: TrainRun) -> dict[str, Any]:
     run.step += 1
     if run.step == 1:  # the optimizer's state exists from its first step on
         run.memory.mark("step 1")
-    gathered = all_gather_floats([float(np.mean(losses)), float(tokens), time.time() - t0], env)
+    seconds = clock(env.device) - t0
+    gathered = all_gather_floats(
+        [
+            loss_sum / max(tokens, 1),
+            float(tokens),
+            seconds,
+            float(real),
+            float(padded),
+            wait,
+            float(len(step.samples)),
+        ],
+        env,
+    )
     run.tokens_seen += int(sum(g[1] for g in gathered))
     entry = {
         "step": run.step,
-        "epoch": epoch,
+        "epoch": step.epoch,
         "lr": run.scheduler.get_last_lr()[0],
         "loss_per_rank": [g[0] for g in gathered],
         "loss": float(np.mean([g[0] for g in gathered])),
@@ -428,6 +437,14 @@ def train_step(run: TrainRun) -> dict[str, Any]:
         "tokens": int(sum(g[1] for g in gathered)),
         "step_seconds": max(g[2] for g in gathered),
         "elapsed_seconds": time.time() - run.start,
+        "samples_per_rank": [int(g[6]) for g in gathered],
+        "real_tokens_per_rank": [int(g[3]) for g in gathered],
+        "padded_tokens_per_rank": [int(g[4]) for g in gathered],
+        "compute_seconds_per_rank": [round(g[2] - g[5], 4) for g in gathered],
+        "wait_seconds_per_rank": [round(g[5], 4) for g in gathered],
+        "useful_compute_fraction": useful_compute_fraction(
+            [g[3] for g in gathered], [g[4] for g in gathered]
+        ),
     }
     if cosine is not None:
         entry["grad_cosine"], entry["grad_cosine_seconds"] = cosine
@@ -505,6 +522,8 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "train_seconds": train_seconds,
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
+            "packed": run.packed,
+            **compute_summary(run.history),
             "peak_rss_bytes_per_rank": peak_rss,
             "memory_per_rank": memory,
         }
@@ -541,11 +560,24 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     run = setup(job, env)
     cfg = run.settings
     report.info(
-        f"training {env.world_size} rank(s) x {len(run.encoded)} samples, {run.total_steps} steps "
-        f"(batch {cfg.per_device_batch_size} x accumulation {cfg.gradient_accumulation_steps}); "
+        f"training {env.world_size} rank(s), samples per rank "
+        f"{[int(g[0]) for g in all_gather_floats([float(len(run.encoded))], env)]}, "
+        f"{run.total_steps} steps ("
+        + (
+            f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
+            f"up to {cfg.max_packed_length}"
+            if run.packed
+            else f"padded: batch {cfg.per_device_batch_size}"
+        )
+        + f" x accumulation {cfg.gradient_accumulation_steps}); "
         f"rank weights {[round(w, 4) for w in _gather_weights(run.weight, env)]}"
         + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
     )
+    if cfg.packing and not run.packed:
+        report.info(
+            f"packing is on but {type(run.model).__name__} attends across packed samples "
+            "(core/packing.can_pack): training with padded batches of per_device_batch_size"
+        )
     metrics_file = None
     if env.is_main:
         metrics_file = metrics_path(job.output_dir).open("w")
@@ -559,7 +591,8 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
             report.info(
                 f"step {run.step}/{run.total_steps} loss {entry['loss']:.4f} "
                 f"(ranks {[round(x, 4) for x in entry['loss_per_rank']]}) "
-                f"{entry['tokens'] / max(entry['step_seconds'], 1e-9):.0f} response tokens/s"
+                f"{entry['tokens'] / max(entry['step_seconds'], 1e-9):.0f} response tokens/s, "
+                f"useful compute {entry['useful_compute_fraction']:.3f}"
                 + (
                     f"; inter-rank gradient cosine {entry['grad_cosine']:.4f} (measured in "
                     f"{entry['grad_cosine_seconds']:.2f} s)"
@@ -587,6 +620,29 @@ def _gather_objects(obj, env: DistEnv) -> list:
     out = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def compute_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a run's compute went, from its per-step records: real and padded tokens and the
+    seconds each rank computed and waited, summed over steps, and the run's useful-compute
+    fraction Σ_steps Σ_r real / Σ_steps (world size x max_r padded) (training/plan.py)."""
+    rows = [h for h in history if "real_tokens_per_rank" in h]
+    if not rows:
+        return {}
+    world = len(rows[0]["real_tokens_per_rank"])
+    real = sum(sum(h["real_tokens_per_rank"]) for h in rows)
+    paid = sum(world * max(h["padded_tokens_per_rank"]) for h in rows)
+    return {
+        "useful_compute_fraction": round(real / paid, 4) if paid else 0.0,
+        "real_tokens": int(real),
+        "padded_tokens": int(sum(sum(h["padded_tokens_per_rank"]) for h in rows)),
+        "compute_seconds_per_rank": [
+            round(sum(h["compute_seconds_per_rank"][r] for h in rows), 2) for r in range(world)
+        ],
+        "wait_seconds_per_rank": [
+            round(sum(h["wait_seconds_per_rank"][r] for h in rows), 2) for r in range(world)
+        ],
+    }
 
 
 def _gather_weights(weight: float, env: DistEnv) -> list[float]:

@@ -13,7 +13,12 @@ CPU_QUICK = profile_run_config("cpu_quick")["ops"]
 
 def test_seed_is_the_selection_and_the_training_seed_and_ratio_is_set():
     cfg = compare_config("core", 2, ASSETS, ratio=0.25)["ops"]
-    assert cfg["peripheral_subsets"]["config"] == {"selector": "core", "ratio": 0.25, "seed": 2}
+    assert cfg["peripheral_subsets"]["config"] == {
+        "selector": "core",
+        "ratio": 0.25,
+        "balance": "tokens",
+        "seed": 2,
+    }
     train = cfg["trained_checkpoint"]["config"]
     assert train == {**CPU_QUICK["trained_checkpoint"]["config"], "seed": 2}
     assert set(cfg) == {"peripheral_subsets", "trained_checkpoint"}  # shard_manifests: defaults

@@ -85,9 +85,14 @@ def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
     assert ops["raw_instructions"]["config"] == {"max_train_samples": 600, "max_heldout": 200}
     assert ops["proxy_embeddings"]["config"]["max_length"] == 256
     assert ops["balanced_clusters"]["config"]["num_clusters"] == 2
-    assert ops["peripheral_subsets"]["config"] == {"selector": "peripheral", "ratio": 0.5}
+    assert ops["peripheral_subsets"]["config"] == {
+        "selector": "peripheral",
+        "ratio": 0.5,
+        "balance": "tokens",
+    }
     train = ops["trained_checkpoint"]["config"]
-    assert (train["max_length"], train["per_device_batch_size"]) == (256, 4)
+    assert (train["max_length"], train["max_tokens_per_micro_batch"]) == (256, 1024)
+    assert train["max_packed_length"] == 512
     assert (train["gradient_accumulation_steps"], train["epochs"]) == (2, 1)
     assert train["learning_rate"] == 1e-4
     evaluation = ops["eval_report"]["config"]

@@ -62,7 +62,18 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 
         subsets = read(instance, "peripheral_subsets")
         selected = subsets.filter(pl.col("selected"))
-        assert selected.height == 2 * (int(sizes.min()) // 2)
+        # Token balance: each cluster keeps its farthest samples up to floor(0.5 x the smallest
+        # cluster's tokens), less than one sample short of it.
+        joined = subsets.join(emb.select("sample_id", "n_tokens", "n_response_tokens"), "sample_id")
+        totals = joined.group_by("cluster").agg(pl.col("n_tokens_right").sum()).sort("cluster")
+        budget = int(0.5 * int(totals["n_tokens_right"].to_numpy().min()))
+        kept = (
+            joined.filter(pl.col("selected"))
+            .group_by("cluster")
+            .agg(pl.col("n_tokens_right").sum(), pl.col("n_tokens_right").max().alias("longest"))
+        )
+        for tokens, longest in kept.select("n_tokens_right", "longest").iter_rows():
+            assert budget - 64 < tokens <= budget and longest <= 64
         # Peripheral: every kept sample is at least as far as every dropped one in its cluster.
         for c in range(2):
             cl = subsets.filter(pl.col("cluster") == c)
@@ -73,11 +84,17 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         shards = read(instance, "shard_manifests")
         # Every selected sample appears in exactly one shard.
         assert Counter(shards["sample_id"]) == Counter(selected["sample_id"])
-        # Shard sizes are equal.
-        assert len(set(shards.group_by("rank").len()["len"].to_list())) == 1
-        # Weights are n_c K / N.
+        # Shard tokens differ by less than the longest sample.
+        per_rank = shards.join(emb.select("sample_id", "n_tokens"), "sample_id").group_by("rank")
+        rank_tokens = per_rank.agg(pl.col("n_tokens").sum())["n_tokens"].to_list()
+        assert max(rank_tokens) - min(rank_tokens) < 64
+        # Weights are K R_c / R, R_c the response tokens of cluster c (token balance).
+        r_c = (
+            joined.group_by("cluster").agg(pl.col("n_response_tokens_right").sum()).sort("cluster")
+        )["n_response_tokens_right"].to_numpy()
+        weights = r_c * 2 / r_c.sum()
         for rank, weight in shards.group_by("rank").agg(pl.col("weight").first()).iter_rows():
-            assert weight == pytest.approx(sizes[rank] * 2 / 54)
+            assert weight == pytest.approx(weights[rank])
         shard_meta = meta(instance, "shard_manifests")
         manifests = [ShardManifest.read(Path(p)) for p in shard_meta["manifest_paths"]]
         assert [m.sha256 for m in manifests] == list(shard_meta["manifest_sha256"])
@@ -88,11 +105,18 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         info = json.loads((ckpt / "training_info.json").read_text())
         assert [m["sha256"] for m in info["manifests"]] == [m.sha256 for m in manifests]
         assert info["world_size"] == 2
-        # The weights the ranks applied are the clusters' w_c, recorded at every stage.
-        weights = [sizes[r] * 2 / 54 for r in range(2)]
+        # The weights the ranks applied are the clusters' w_c, recorded at every stage: the
+        # clustering's w_c = n_c K / N, the token-balanced subset's K R_c / R.
+        assert meta(instance, "balanced_clusters")["cluster_weights"] == pytest.approx(
+            [sizes[r] * 2 / 54 for r in range(2)]
+        )
         assert info["rank_weights"] == pytest.approx(weights, rel=1e-6)
-        assert meta(instance, "balanced_clusters")["cluster_weights"] == pytest.approx(weights)
         assert list(meta(instance, "trained_checkpoint")["rank_weights"]) == pytest.approx(weights)
+        # Packed batches, and where the compute went.
+        assert info["packed"] is True and 0.5 < info["useful_compute_fraction"] <= 1.0
+        assert meta(instance, "trained_checkpoint")["useful_compute_fraction"] == pytest.approx(
+            info["useful_compute_fraction"]
+        )
 
         report = meta(instance, "eval_report")
         assert report["base/heldout_loss"] > 0 and report["tuned/heldout_loss"] > 0

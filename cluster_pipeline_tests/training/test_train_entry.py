@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import collate, encode_sample
 from cluster_pipeline.training.config import TrainJob, TrainSettings
-from cluster_pipeline.training.train import lr_lambda, step_plan, steps_per_epoch
+from cluster_pipeline.training.plan import plan_padded
+from cluster_pipeline.training.train import lr_lambda
 from cluster_pipeline_tests.helpers import torchrun, train_job
 
 TRAIN = "cluster_pipeline.training.train"
@@ -64,18 +65,22 @@ def _shard_gradients(model, tok, cfg: TrainJob, table) -> list[dict[str, torch.T
     return grads
 
 
-def _stratified_step(model, grads: list[dict[str, torch.Tensor]]) -> None:
-    """One AdamW step (lr 1e-3) on g = 0.75 g_0 + 0.25 g_1 (n_c = (3, 1) of N = 4), checking
-    that this differs from the unweighted average (the test can tell the two apart)."""
+def _stratified_step(
+    model, grads: list[dict[str, torch.Tensor]], shares: tuple[float, float] = (0.75, 0.25)
+) -> None:
+    """One AdamW step (lr 1e-3) on g = shares[0] g_0 + shares[1] g_1 (default: n_c = (3, 1) of
+    N = 4), checking that this differs from the unweighted average (the test can tell the two
+    apart)."""
+    a, b = shares
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
     for n, p in model.named_parameters():
         if p.requires_grad:
-            p.grad = 0.75 * grads[0][n] + 0.25 * grads[1][n]
+            p.grad = a * grads[0][n] + b * grads[1][n]
     opt.step()
     unweighted = {n: 0.5 * grads[0][n] + 0.5 * grads[1][n] for n in grads[0]}
     assert any(
-        not torch.allclose(unweighted[n], 0.75 * grads[0][n] + 0.25 * grads[1][n]) for n in grads[0]
+        not torch.allclose(unweighted[n], a * grads[0][n] + b * grads[1][n]) for n in grads[0]
     )
 
 
@@ -99,6 +104,48 @@ def test_one_weighted_step_equals_the_stratified_full_gradient(tmp_path, tiny_mo
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     model.train()
     _stratified_step(model, _shard_gradients(model, tok, cfg, table))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_packed_step_on_ranks_of_unequal_samples_equals_the_token_stratified_gradient(
+    tmp_path, tiny_model_dir, parallelism
+):
+    """Token balance leaves the ranks different sample counts: 5 and 3 samples here, packed
+    into several micro-batches each (2 accumulated, at most 120 tokens). Each rank's loss is
+    its w_c x token-mean over its whole step, so one step with w = (1.2, 0.8) equals one process
+    applying 0.6 g_0 + 0.4 g_1, g_c the token-mean gradient of shard c (docs/design.md, step 5).
+    """
+    cfg, table = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.2, 0.8],
+        per_rank=[5, 3],
+        packing=True,
+        max_tokens_per_micro_batch=120,
+        max_packed_length=64,
+        gradient_accumulation_steps=2,
+        epochs=1,
+        **{k: v for k, v in ONE_STEP.items() if k != "per_device_batch_size"},
+        parallelism=parallelism,
+    )
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    # One step per rank (the plan puts both shards' tokens in one step), several micro-batches.
+    assert info["steps"] == 1 and info["packed"] is True
+    metrics = json.loads(Path(cfg.output_dir + ".metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["samples_per_rank"] == [5, 3]
+    assert 0 < metrics["useful_compute_fraction"] <= 1
+    trained = _weights(Path(cfg.output_dir))
+
+    from cluster_pipeline.core.modeling import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table), (0.6, 0.4))
     for n, p in model.named_parameters():
         torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
 
@@ -205,16 +252,36 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_unequal_shards_are_refused_before_training(tmp_path, tiny_model_dir):
-    records_cfg, _ = train_job(
-        tmp_path, tiny_model_dir, [1.0, 1.0], per_rank=4, per_device_batch_size=1
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_shards_of_unequal_sizes_take_the_same_steps(tmp_path, tiny_model_dir, packing):
+    """Token balance gives ranks different sample counts (6 and 3 here): every rank takes the
+    same optimizer steps and sees each of its samples once per epoch; the metrics count each
+    rank's samples, real and tensor tokens per step."""
+    cfg, _ = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.0, 1.0],
+        per_rank=[6, 3],
+        per_device_batch_size=2,
+        epochs=2,
+        packing=packing,
+        max_tokens_per_micro_batch=60,
+        max_packed_length=64,
     )
-    path = Path(records_cfg.manifests[1])
-    m = ShardManifest.read(path)
-    ShardManifest(m.dataset, 1, 2, m.selector, m.weight, 0, m.sample_ids[:2]).write(path.parent)
     done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
-    assert done.returncode != 0
-    assert "different numbers of optimizer steps" in done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = Path(cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    assert info["steps"] == len(rows) and info["packed"] is packing
+    assert [sum(r["samples_per_rank"][k] for r in rows) for k in (0, 1)] == [12, 6]
+    for r in rows:
+        real, paid = r["real_tokens_per_rank"], r["padded_tokens_per_rank"]
+        assert all(0 <= a <= b for a, b in zip(real, paid, strict=True))
+        assert r["useful_compute_fraction"] == pytest.approx(sum(real) / (2 * max(paid)))
+    assert info["real_tokens"] == sum(sum(r["real_tokens_per_rank"]) for r in rows)
+    if packing:  # packed: every step holds samples of both ranks
+        assert all(min(r["samples_per_rank"]) >= 1 for r in rows)
 
 
 def test_schedule_and_plan():
@@ -222,12 +289,11 @@ def test_schedule_and_plan():
     assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
     g = lr_lambda("linear", 0, 4)
     assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert steps_per_epoch(10, 2, 2) == 3
-    settings = TrainSettings(per_device_batch_size=2, gradient_accumulation_steps=2, epochs=2)
-    plan = step_plan(10, settings, 6)
-    assert len(plan) == 6 and [e for e, _ in plan] == [0, 0, 0, 1, 1, 1]
-    assert sorted(np.concatenate([b for _, g in plan[:3] for b in g]).tolist()) == list(range(10))
-    assert [len(g) for _, g in plan[:3]] == [2, 2, 1]
+    # 10 samples, batch 2 x accumulation 2: ceil(10 / 4) = 3 steps per epoch.
+    plan = plan_padded([10], 2, 2, epochs=2, seed=0)[0]
+    assert len(plan) == 6 and [s.epoch for s in plan] == [0, 0, 0, 1, 1, 1]
+    assert sorted(i for s in plan[:3] for i in s.samples) == list(range(10))
+    assert [len(s.micro_batches) for s in plan[:3]] == [2, 2, 1]
 
 
 @pytest.mark.parametrize(
@@ -337,7 +403,12 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     # Activations dominate (2 GiB, 0.5 GiB with checkpointing): the ways say which would fit.
     with pytest.raises(TrainingMemoryError) as refused:
         check_training_memory(
-            10**8, TrainSettings(), 2, 3 * 2**30, 2 * 2**30, checkpointed_activations=2**29
+            10**8,
+            TrainSettings(packing=False),
+            2,
+            3 * 2**30,
+            2 * 2**30,
+            checkpointed_activations=2**29,
         )
     assert str(refused.value) == (
         "training needs about 3.5 GiB per rank (100M parameters, parallelism ddp, 2 ranks; "
@@ -348,6 +419,9 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     )
     with pytest.raises(TrainingMemoryError, match=r"fsdp \(2.7 GiB per rank, not enough alone\)"):
         check_training_memory(10**8, TrainSettings(), 2, int(2.6 * 2**30), 2 * 2**30)
+    # Packed micro-batches: the advice names their knob.
+    with pytest.raises(TrainingMemoryError, match="a smaller max_tokens_per_micro_batch"):
+        check_training_memory(10**8, TrainSettings(), 2, 3 * 2**30, 2 * 2**30)
     assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
     assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
 
@@ -413,8 +487,11 @@ def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
     LlamaConfig(
         vocab_size=49152, hidden_size=576, num_hidden_layers=30, intermediate_size=1536
     ).save_pretrained(tmp_path)
-    cfg = TrainSettings(per_device_batch_size=2, max_length=128)
+    cfg = TrainSettings(per_device_batch_size=2, max_length=128, packing=False)
     assert activation_bytes(str(tmp_path), cfg) == 256 * 4 * (30 * 576 * 17 + 2 * 49152)
+    # Packed: max_tokens_per_micro_batch tokens (1,024 by default), not batch x max_length.
+    packed = TrainSettings(per_device_batch_size=2, max_length=128)
+    assert activation_bytes(str(tmp_path), packed) == 1024 * 4 * (30 * 576 * 17 + 2 * 49152)
     checkpointed = cfg.model_copy(update={"gradient_checkpointing": True})
     assert activation_bytes(str(tmp_path), checkpointed) == 256 * 4 * (
         30 * 576 + 576 * 17 + 2 * 49152

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from cluster_pipeline.core import plots
 from cluster_pipeline.core.embedding import l2_normalise
-from cluster_pipeline.core.selection import Selector, per_cluster_summary, select
+from cluster_pipeline.core.selection import Balance, Selector, per_cluster_summary, select
 from cluster_pipeline.core.statistics import DiversitySums
 from cluster_pipeline.core.tables import markdown_preview, write_table
 from cluster_pipeline.defs.metadata import table_display
@@ -37,6 +37,13 @@ class PeripheralSubsetsConfig(dg.Config):
         "cluster keeps floor(r * m) samples, m = smallest cluster size.",
     )
     seed: int = Field(default=0, ge=0, description="Seed of the random selectors.")
+    balance: Balance = Field(
+        default="tokens",
+        description="tokens = every cluster keeps its selector's samples up to the same token "
+        "budget, floor(r x the smallest cluster's tokens), so every rank does the same work; "
+        "rank c's weight is K R_c / R (R_c the cluster's response tokens). samples = the "
+        "published rule: floor(r x the smallest cluster's size) samples each, w_c = n_c K / N.",
+    )
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
@@ -54,7 +61,13 @@ def peripheral_subsets(
     dataset = context.partition_key
     start = time.perf_counter()
     clusters = read_record(context, BalancedClustersRecord)
-    frame = clusters.table.read(["sample_id", "cluster", "sq_distance"])
+    embeddings = clusters.inputs["proxy_embeddings"]
+    frame = clusters.table.read(["sample_id", "cluster", "sq_distance"]).join(
+        embeddings.read(["sample_id", "n_tokens", "n_response_tokens"]),
+        on="sample_id",
+        how="left",
+        maintain_order="left",
+    )
     try:
         result = select(
             frame["cluster"].to_numpy(),
@@ -63,6 +76,9 @@ def peripheral_subsets(
             config.selector,
             config.ratio,
             config.seed,
+            balance=config.balance,
+            lengths=frame["n_tokens"].to_numpy(),
+            response_tokens=frame["n_response_tokens"].to_numpy(),
         )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
@@ -76,7 +92,6 @@ def peripheral_subsets(
     seconds = time.perf_counter() - start
     # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
     # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.
-    embeddings = clusters.inputs["proxy_embeddings"]
     copies = frame.select("sample_id", "copies")
     subset, pool = DiversitySums(), DiversitySums()
     for ids, gradients in embeddings.vector_batches("embedding", keep="skip_reason"):
@@ -93,10 +108,21 @@ def peripheral_subsets(
             f"{REPRESENTATIONS[clusters.representation]}_normalised", shown["sample_id"]
         )
     rows = shown["row"].to_numpy()
+    kept = (
+        frame.filter(pl.col("selected"))
+        .group_by("cluster")
+        .agg(
+            pl.col("copies").sum().alias("samples"),
+            (pl.col("n_tokens") * pl.col("copies")).sum().alias("tokens"),
+        )
+    )
+    kept = kept.sort("cluster")
     context.log.info(
-        f"{config.selector} r={config.ratio}: {result.n_selected} of {frame.height} samples "
-        f"({100 * result.data_fraction:.1f}%), gradient diversity {diversity:.4f} "
-        f"(pool {pool_diversity:.4f})"
+        f"{config.selector} r={config.ratio}, balance by {config.balance}: {result.n_selected} "
+        f"of {frame.height} samples ({100 * result.data_fraction:.1f}%); per cluster "
+        f"{kept['samples'].to_list()} samples, {kept['tokens'].to_list()} tokens; weights "
+        f"{[round(float(w), 4) for w in result.cluster_weights]}; gradient diversity "
+        f"{diversity:.4f} (pool {pool_diversity:.4f})"
     )
     record = PeripheralSubsetsRecord(
         table=table,
@@ -111,6 +137,10 @@ def peripheral_subsets(
         selected_samples=result.n_selected,
         data_fraction=round(result.data_fraction, 4),
         cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
+        balance=config.balance,
+        token_budget=result.token_budget,
+        samples_per_cluster=kept["samples"].to_list(),
+        tokens_per_cluster=kept["tokens"].to_list(),
         gradient_diversity=round(diversity, 6),
         pool_gradient_diversity=round(pool_diversity, 6),
     )

@@ -38,7 +38,8 @@ def shard_manifests(
 ) -> dg.MaterializeResult:
     """One row per (rank, position): the ``sample_id`` that rank ``rank`` trains on at
     ``position`` of its shard, with the rank's loss ``weight`` and the manifest's content hash.
-    Every rank holds the same number of samples. The same manifests are written as JSON files
+    Every rank holds the same number of tokens (token balance, to within one sample) or of
+    samples (sample balance). The same manifests are written as JSON files
     (``rank_<c>.json``), which the training ranks read. docs/design.md, step 4.
     """
     dataset, layout = context.partition_key, storage.layout
@@ -46,10 +47,15 @@ def shard_manifests(
     subsets = read_record(context, PeripheralSubsetsRecord)
     frame = subsets.table.read()
     k = len(subsets.cluster_weights)
-    selection = selection_from_table(frame, subsets.selector, k, subsets.per_cluster)
+    selection = selection_from_table(
+        frame, subsets.selector, k, subsets.per_cluster, subsets.balance, subsets.token_budget
+    )
     sample_ids, labels = frame["sample_id"].to_numpy(), frame["cluster"].to_numpy()
+    lengths = frame["n_tokens"].to_numpy() if "n_tokens" in frame.columns else None
     try:
-        allocation = allocate(dataset, sample_ids, labels, selection, k, config.seed)
+        allocation = allocate(
+            dataset, sample_ids, labels, selection, k, config.seed, lengths=lengths
+        )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
     set_hash = manifest_set_hash(allocation.manifests)
@@ -58,9 +64,20 @@ def shard_manifests(
     shards = manifests_frame(allocation.manifests)
     table = write_table(shards, layout.table_uri("shard_manifests", dataset))
     seconds = time.perf_counter() - start
-    context.log.info(f"{k} shards of {allocation.shard_size} samples in {folder}")
+    samples = [m.n_samples for m in allocation.manifests]
+    context.log.info(
+        f"{k} shards in {folder}: samples {samples}, tokens {allocation.tokens_per_rank} "
+        f"(spread {100 * allocation.token_spread:.2f} %), weights "
+        f"{[round(m.weight, 4) for m in allocation.manifests]}"
+    )
     checks = check_allocation(
-        allocation.manifests, sample_ids, labels, selection, allocation.dropped
+        allocation.manifests,
+        sample_ids,
+        labels,
+        selection,
+        allocation.dropped,
+        lengths,
+        frame["n_response_tokens"].to_numpy() if "n_response_tokens" in frame.columns else None,
     )
     record = ShardManifestsRecord(
         table=table,
@@ -75,6 +92,10 @@ def shard_manifests(
         manifest_sha256=[m.sha256 for m in allocation.manifests],
         manifest_set_sha256=set_hash,
         rank_weights=[m.weight for m in allocation.manifests],
+        balance=selection.balance,
+        samples_per_rank=samples,
+        tokens_per_rank=allocation.tokens_per_rank,
+        token_spread=round(allocation.token_spread, 5),
     )
     return dg.MaterializeResult(
         check_results=[

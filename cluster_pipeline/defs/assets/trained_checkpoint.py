@@ -177,10 +177,24 @@ def trained_checkpoint(
         train_seconds=round(float(ckpt.train_seconds or 0.0), 2),
         samples_per_rank=shards.shard_size,
         rank_weights=list(ckpt.info.get("rank_weights", [])),
+        packed=bool(ckpt.info.get("packed", False)),
+        useful_compute_fraction=ckpt.info.get("useful_compute_fraction"),
+        wait_seconds_per_rank=list(ckpt.info.get("wait_seconds_per_rank", [])),
         selection_seconds=shards.selection_seconds,
         config=ckpt.settings,
     )
     curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
+    useful = plots.named_curves(
+        {
+            "useful compute fraction": [
+                (h["step"], h["useful_compute_fraction"])
+                for h in history
+                if "useful_compute_fraction" in h
+            ]
+        },
+        "optimizer step",
+        "real tokens / (ranks x busiest rank's tensor tokens)",
+    )
     return dg.MaterializeResult(
         metadata={
             **reported,
@@ -192,5 +206,8 @@ def trained_checkpoint(
                 f"{record.selection_seconds:.1f} |\n| training | {record.train_seconds:.1f} |\n"
             ),
             "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+            "useful_compute": dg.MetadataValue.md(
+                plots.markdown_image(useful, "useful compute fraction per step")
+            ),
         }
     )

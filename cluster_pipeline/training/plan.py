@@ -1,0 +1,183 @@
+"""The step plan: which samples every rank trains on at every optimizer step, fixed in advance.
+
+Every rank must take the same number of optimizer steps (a rank that stops early leaves the
+others waiting in DDP's all-reduce for ever) and, under FSDP, the same number of forward passes
+per step (each one all-gathers parameters). The plan is computed from every rank's sample
+lengths (gathered once at setup), the same way on every rank, so it is identical everywhere and
+a resumed run continues at the same place.
+
+- **Padded** (``packing: false``): epoch e visits each rank's shard in the permutation drawn from
+  ``default_rng([seed, e])``, in micro-batches of ``per_device_batch_size`` samples (one per
+  row, right-padded), ``gradient_accumulation_steps`` per step; steps per epoch
+  ``ceil(max_c n_c / (batch * accumulation))``.
+- **Packed** (``packing: true``): the same order; steps per epoch
+  ``S = ceil(max_c L_c / (accumulation * max_tokens_per_micro_batch))`` (L_c the rank's tokens,
+  at most the smallest shard's sample count). Each rank cuts its epoch into S consecutive runs of
+  about L_c / S tokens, each run into micro-batches of at most ``max_tokens_per_micro_batch``
+  real tokens (a longer sample alone), each micro-batch into packed rows of at most
+  ``max_packed_length`` tokens (first-fit decreasing, core/packing.py). With token-balanced
+  shards every rank then does about the same work at every step.
+
+Where ranks need different numbers of micro-batches at a step, the shorter plans get
+placeholder micro-batches (one padding token, no loss): a forward and backward of one token, so
+that the collectives line up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster_pipeline.core.packing import pack_rows
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of sample positions (into the rank's shard); no rows = a placeholder."""
+
+    rows: tuple[tuple[int, ...], ...]
+
+    @property
+    def samples(self) -> list[int]:
+        return [i for row in self.rows for i in row]
+
+    @property
+    def placeholder(self) -> bool:
+        return not self.rows
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of one rank."""
+
+    epoch: int
+    micro_batches: tuple[MicroBatch, ...]
+
+    @property
+    def samples(self) -> list[int]:
+        return [i for mb in self.micro_batches for i in mb.samples]
+
+
+PLACEHOLDER = MicroBatch(())
+
+
+def _aligned(per_rank: list[list[tuple[int, list[MicroBatch]]]]) -> list[list[Step]]:
+    """Steps whose micro-batch counts agree across ranks (placeholders appended)."""
+    steps = len(per_rank[0])
+    out: list[list[Step]] = [[] for _ in per_rank]
+    for s in range(steps):
+        width = max(len(plan[s][1]) for plan in per_rank)
+        for r, plan in enumerate(per_rank):
+            epoch, mbs = plan[s]
+            out[r].append(Step(epoch, tuple(mbs + [PLACEHOLDER] * (width - len(mbs)))))
+    return out
+
+
+def plan_padded(
+    n_per_rank: Sequence[int],
+    batch_size: int,
+    accumulation: int,
+    epochs: int,
+    seed: int,
+    max_steps: int | None = None,
+) -> list[list[Step]]:
+    """The padded plan of every rank (module docstring); rank r's steps are ``[r]``.
+
+    Raises:
+        ValueError: a rank without samples.
+    """
+    if min(n_per_rank) < 1:
+        raise ValueError(f"every rank needs samples, got {list(n_per_rank)}")
+    per_epoch = math.ceil(max(n_per_rank) / (batch_size * accumulation))
+    plans: list[list[tuple[int, list[MicroBatch]]]] = []
+    for n in n_per_rank:
+        plan = []
+        for epoch in range(epochs):
+            order = np.random.default_rng([seed, epoch]).permutation(n)
+            micro = [
+                MicroBatch(tuple((int(i),) for i in order[j : j + batch_size]))
+                for j in range(0, n, batch_size)
+            ]
+            plan += [
+                (epoch, micro[s * accumulation : (s + 1) * accumulation]) for s in range(per_epoch)
+            ]
+        plans.append(plan[:max_steps] if max_steps else plan)
+    return _aligned(plans)
+
+
+def _runs(lengths: np.ndarray, order: np.ndarray, steps: int) -> list[np.ndarray]:
+    """``order`` cut into ``steps`` consecutive non-empty runs of about equal tokens."""
+    cum = np.cumsum(lengths[order])
+    total = int(cum[-1])
+    n = len(order)
+    cuts = [0]
+    for s in range(1, steps):
+        cut = int(np.searchsorted(cum, s * total / steps, side="left")) + 1
+        cuts.append(min(max(cut, cuts[-1] + 1), n - (steps - s)))
+    cuts.append(n)
+    return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _micro_batches(lengths: np.ndarray, run: np.ndarray, max_tokens: int, max_row: int):
+    """A run's samples, in order, into micro-batches of at most ``max_tokens`` tokens, each
+    packed into rows of at most ``max_row`` tokens."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in run:
+        if groups and total + lengths[i] <= max_tokens:
+            groups[-1].append(int(i))
+            total += int(lengths[i])
+        else:
+            groups.append([int(i)])
+            total = int(lengths[i])
+    out = []
+    for g in groups:
+        rows = pack_rows([int(lengths[i]) for i in g], max_row)
+        out.append(MicroBatch(tuple(tuple(g[j] for j in row) for row in rows)))
+    return out
+
+
+def plan_packed(
+    lengths_per_rank: Sequence[Sequence[int]],
+    max_tokens_per_micro_batch: int,
+    max_packed_length: int,
+    accumulation: int,
+    epochs: int,
+    seed: int,
+    max_steps: int | None = None,
+) -> list[list[Step]]:
+    """The packed plan of every rank (module docstring); rank r's steps are ``[r]``.
+
+    Args:
+        lengths_per_rank: per rank, the token length of each sample of its shard.
+
+    Raises:
+        ValueError: a rank without samples or a sample without tokens.
+    """
+    lengths = [np.asarray(x, dtype=np.int64) for x in lengths_per_rank]
+    if min(len(x) for x in lengths) < 1 or min(int(x.min()) for x in lengths) < 1:
+        raise ValueError("every rank needs samples of at least one token")
+    totals = [int(x.sum()) for x in lengths]
+    per_epoch = math.ceil(max(totals) / (accumulation * max_tokens_per_micro_batch))
+    per_epoch = max(1, min(per_epoch, min(len(x) for x in lengths)))
+    plans: list[list[tuple[int, list[MicroBatch]]]] = [[] for _ in lengths]
+    for epoch in range(epochs):
+        for r, x in enumerate(lengths):
+            order = np.random.default_rng([seed, epoch]).permutation(len(x))
+            for run in _runs(x, order, per_epoch):
+                plans[r].append(
+                    (epoch, _micro_batches(x, run, max_tokens_per_micro_batch, max_packed_length))
+                )
+    if max_steps:
+        plans = [p[:max_steps] for p in plans]
+    return _aligned(plans)
+
+
+def useful_compute_fraction(real: Sequence[float], padded: Sequence[float]) -> float:
+    """Σ_r real tokens / (world size x the largest rank's padded tokens): the share of the
+    step's compute (every rank paid for as much as the busiest one) spent on real tokens."""
+    top = max(padded)
+    return float(sum(real) / (len(padded) * top)) if top > 0 else 0.0

@@ -1,0 +1,69 @@
+"""The step plan: every rank takes the same steps and micro-batch counts, sees each sample once
+per epoch, and packed steps carry about equal tokens."""
+
+import numpy as np
+import pytest
+
+from cluster_pipeline.training.plan import (
+    PLACEHOLDER,
+    plan_packed,
+    plan_padded,
+    useful_compute_fraction,
+)
+
+
+def test_padded_plan_of_unequal_shards_lines_up_with_placeholders():
+    # 10 and 6 samples, batch 2 x 2: ceil(10 / 4) = 3 steps; rank 1 runs out in step 2.
+    a, b = plan_padded([10, 6], 2, 2, epochs=1, seed=0)
+    assert [len(s.micro_batches) for s in a] == [len(s.micro_batches) for s in b] == [2, 2, 1]
+    assert sorted(i for s in a for i in s.samples) == list(range(10))
+    assert sorted(i for s in b for i in s.samples) == list(range(6))
+    assert b[2].micro_batches == (PLACEHOLDER,) and b[2].samples == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_plan_visits_every_sample_once_per_epoch_in_equal_steps(seed):
+    rng = np.random.default_rng(seed)
+    lengths = [rng.integers(20, 256, n).tolist() for n in (150, 110, 130)]
+    plans = plan_packed(lengths, 1024, 512, accumulation=2, epochs=2, seed=seed)
+    assert len({len(p) for p in plans}) == 1
+    for s in range(len(plans[0])):
+        assert len({len(p[s].micro_batches) for p in plans}) == 1
+    for r, plan in enumerate(plans):
+        for epoch in (0, 1):
+            seen = [i for s in plan if s.epoch == epoch for i in s.samples]
+            assert sorted(seen) == list(range(len(lengths[r])))
+        for step in plan:
+            for mb in step.micro_batches:
+                tokens = sum(lengths[r][i] for i in mb.samples)
+                assert tokens <= 1024 or len(mb.samples) == 1
+                for row in mb.rows:
+                    assert sum(lengths[r][i] for i in row) <= 512 or len(row) == 1
+
+
+def test_packed_steps_follow_the_tokens_not_the_samples():
+    # Rank 0: 40 samples of 100 tokens (4,000); rank 1: 10 samples of 400 (4,000). Micro-batches
+    # of 1,000 tokens, 2 per step: ceil(4,000 / 2,000) = 2 steps per epoch, 2,000 tokens each.
+    plans = plan_packed([[100] * 40, [400] * 10], 1000, 1000, accumulation=2, epochs=1, seed=0)
+    for r, plan in enumerate(plans):
+        size = 100 if r == 0 else 400
+        assert [sum(size for _ in s.samples) for s in plan] == [2000, 2000]
+    assert [len(s.samples) for s in plans[0]] == [20, 20]
+    assert [len(s.samples) for s in plans[1]] == [5, 5]
+    # Rank 1's 5 samples of 400 need 3 micro-batches of <= 1,000 tokens, rank 0's 20 of 100
+    # need 2: rank 0 gets a placeholder, so both run 3 forward passes a step.
+    assert [len(s.micro_batches) for s in plans[1]] == [3, 3]
+    assert plans[0][0].micro_batches[-1] == PLACEHOLDER
+
+
+def test_the_plan_is_a_function_of_lengths_settings_and_seed():
+    lengths = [[30, 40, 50, 60, 70] * 6, [35, 45, 55] * 10]
+    assert plan_packed(lengths, 200, 100, 2, 2, seed=3) == plan_packed(lengths, 200, 100, 2, 2, 3)
+    assert plan_packed(lengths, 200, 100, 2, 2, seed=3) != plan_packed(lengths, 200, 100, 2, 2, 4)
+    assert len(plan_packed(lengths, 200, 100, 2, 2, seed=3, max_steps=3)[0]) == 3
+
+
+def test_useful_compute_fraction_by_hand():
+    # Two ranks; the busier one pays for 1,000 tensor positions: (900 + 500) / (2 x 1,000).
+    assert useful_compute_fraction([900, 500], [1000, 600]) == pytest.approx(0.7)
+    assert useful_compute_fraction([10, 10], [10, 10]) == 1.0
