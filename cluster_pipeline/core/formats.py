@@ -25,20 +25,25 @@ from them). Roles: ``human``/``user``; ``gpt``/``assistant``/``model``/``functio
 Files may be JSONL (one record per line), JSON (one record, an array of records, or several
 such values in a row), Parquet (any number of shards) or the Arrow files of a Hugging Face
 ``datasets`` folder written by ``save_to_disk`` (its ``dataset_info.json``, ``state.json`` and
-``dataset_dict.json`` are metadata, not records). A ``fields.json`` file in the dataset folder
-renames fields before the forms are matched (``{"question": "instruction", "answer":
-"output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row) it came
-from, so a trained-on sample can be traced back to its source.
+``dataset_dict.json`` are metadata, not records). JSON text is read strictly
+(:mod:`cluster_pipeline.core.json_text`: what ``json.loads`` rejects, ``NaN``, unpaired
+surrogates and repeated keys are refused at ``file:line:column``). A ``fields.json`` file in
+the dataset folder renames fields before the forms are matched (``{"question": "instruction",
+"answer": "output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row)
+it came from, so a trained-on sample can be traced back to its source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cluster_pipeline.core import json_text
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 # A dataset folder's own settings (its evaluation benchmarks), never read as samples.
@@ -152,6 +157,11 @@ def _text(value: object, field: str, where: str) -> str:
         return ""
     if isinstance(value, str):
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DatasetFormatError(
+            f"{where}: field {field!r} is the number {value}, not text (a missing value written "
+            "as NaN?). Write a string, or null for none."
+        )
     if isinstance(value, (int, float)):
         return str(value)
     raise DatasetFormatError(
@@ -273,141 +283,104 @@ def normalise_record(
     return Sample(prompt, response, system, form, source_file, source_line, messages)
 
 
-_WHITESPACE = " \t\r\n"
-
-
-def _invalid(path: Path, e: json.JSONDecodeError, hint: str) -> DatasetFormatError:
-    return DatasetFormatError(
-        f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}). {hint}"
+def _hint(path: Path) -> str:
+    if path.suffix.lower() == ".jsonl":
+        return (
+            "Each line of a .jsonl file must be one JSON object (a pretty-printed JSON array "
+            "belongs in a .json file)."
+        )
+    return (
+        "A .json file holds one JSON value (an array of records or one record) or several in "
+        "a row separated by whitespace; fix or split the file."
     )
 
 
-def _iter_json_array(
-    path: Path, text: str, pos: int, line: int
-) -> Iterator[tuple[int, Any] | tuple[int, int]]:
-    """Yield (line, record) for each element of the JSON array opening at ``text[pos]``, then
-    (-1, position after its closing bracket). Line numbers are 1-based."""
-    decoder = json.JSONDecoder()
-    pos += 1
-    n = len(text)
-    while True:
-        start = pos
-        while pos < n and text[pos] in _WHITESPACE + ",":
-            pos += 1
-        line += text.count("\n", start, pos)
-        if pos >= n:
-            raise DatasetFormatError(f"{path}:{line}: the JSON array is not closed with ']'.")
-        if text[pos] == "]":
-            yield -1, pos + 1
-            return
-        try:
-            record, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise _invalid(path, e, "Fix the file or move it out of the dataset folder.") from None
-        yield line, record
-        line += text.count("\n", pos, end)
-        pos = end
-
-
-def _iter_json_values(path: Path, text: str) -> Iterator[tuple[int, Any]]:
-    """Records of a .json file: one top-level object, one array of objects, or several such
-    values one after another (what ``cat a.json b.json`` makes); every value is read, and
-    anything else after a value is an error at its line."""
-    decoder = json.JSONDecoder()
-    pos, n, line = 0, len(text), 1
-    while True:
-        start = pos
-        while pos < n and text[pos] in _WHITESPACE:
-            pos += 1
-        line += text.count("\n", start, pos)
-        if pos >= n:
-            return
-        if text[pos] == "[":
-            for first, second in _iter_json_array(path, text, pos, line):
-                if first == -1:
-                    line += text.count("\n", pos, second)
-                    pos = second
-                else:
-                    yield first, second
-            continue
-        try:
-            record, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise _invalid(
-                path,
-                e,
-                "A .json file holds one JSON value (an array of records or one record) "
-                "or several in a row; fix or split the file.",
-            ) from None
-        yield line, record
-        line += text.count("\n", pos, end)
-        pos = end
-
-
-def _read_utf8(path: Path) -> str:
-    """The file as text; a UTF-8 byte-order mark is dropped.
+def _read_table(path: Path):
+    """A Parquet or Arrow (streaming or file format) file as a polars frame.
 
     Raises:
-        DatasetFormatError: the bytes are not UTF-8 (names the line and the byte).
+        DatasetFormatError: the file cannot be read; a string that is not UTF-8 is named by
+            row and column.
     """
-    data = path.read_bytes()
+    import polars as pl
+
+    kind = "Parquet" if path.suffix.lower() == ".parquet" else "Arrow"
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DatasetFormatError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}). "
-            "Save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`."
-        ) from None
+        if kind == "Parquet":
+            return pl.read_parquet(path)
+        try:  # `datasets` writes the Arrow streaming format; other tools the file format.
+            return pl.read_ipc_stream(path)
+        except Exception:
+            return pl.read_ipc(path)
+    except Exception as e:  # polars raises several types for corrupt files
+        bad = _first_invalid_utf8(path)
+        if bad:
+            raise DatasetFormatError(bad) from None
+        raise DatasetFormatError(f"{path}: cannot read {kind} file ({e}).") from e
+
+
+def _first_invalid_utf8(path: Path) -> str | None:
+    """The message for the first top-level string value of a Parquet/Arrow file that is not
+    UTF-8, or None (the file is unreadable for another reason)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            table = pq.read_table(path)
+        else:
+            try:
+                table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    except Exception:
+        return None
+    for name in table.column_names:
+        column = table.column(name)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            continue
+        binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+        for row, value in enumerate(column.cast(binary).to_pylist(), start=1):
+            if value is None:
+                continue
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bytes_ = value[e.start : e.start + 3]
+                surrogate = bytes_[:1] == b"\xed" and len(bytes_) > 1 and bytes_[1] >= 0xA0
+                why = (
+                    " (the UTF-8 form of an unpaired UTF-16 surrogate, which UTF-8 cannot store)"
+                    if surrogate
+                    else ""
+                )
+                return (
+                    f"{path}:{row}: column {name!r} holds a string that is not UTF-8 (bytes "
+                    f"{bytes_.hex(' ')} at byte {e.start + 1}{why}). Write the column as UTF-8 "
+                    "text (re-encode it from its source) or remove the character."
+                )
+    return None
 
 
 def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield (1-based line or row number, raw record) from a JSONL, JSON or Parquet file.
+    """Yield (1-based line or row number, raw record) from a JSONL, JSON, Parquet or Arrow
+    file; JSON text is read strictly (:mod:`cluster_pipeline.core.json_text`).
 
     Raises:
-        DatasetFormatError: unreadable or malformed file (message names the file and line).
+        DatasetFormatError: unreadable or malformed file (message names the file, line and,
+            for JSON, the column).
     """
     suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import polars as pl
-
-        try:
-            frame = pl.read_parquet(path)
-        except Exception as e:  # polars raises several types for corrupt files
-            raise DatasetFormatError(f"{path}: cannot read Parquet file ({e}).") from e
-        yield from enumerate(frame.iter_rows(named=True), start=1)
+    if suffix in (".parquet", ".arrow"):
+        yield from enumerate(_read_table(path).iter_rows(named=True), start=1)
         return
-    if suffix == ".arrow":
-        import polars as pl
-
-        try:  # `datasets` writes the Arrow streaming format; other tools the file format.
-            frame = pl.read_ipc_stream(path)
-        except Exception:
-            try:
-                frame = pl.read_ipc(path)
-            except Exception as e:
-                raise DatasetFormatError(f"{path}: cannot read Arrow file ({e}).") from e
-        yield from enumerate(frame.iter_rows(named=True), start=1)
-        return
-    text = _read_utf8(path)
-    if suffix == ".jsonl":
-        # Lines end at "\n" only: U+2028 and friends may sit inside JSON strings.
-        for lineno, raw in enumerate(text.split("\n"), start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield lineno, json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DatasetFormatError(
-                    f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}). "
-                    "Each line of a .jsonl file must be one JSON object."
-                ) from None
-        return
-    if suffix == ".json":
-        yield from _iter_json_values(path, text)
-        return
-    raise DatasetFormatError(f"{path}: unsupported suffix; use one of {SUPPORTED_SUFFIXES}.")
+    if suffix not in (".json", ".jsonl"):
+        raise DatasetFormatError(f"{path}: unsupported suffix; use one of {SUPPORTED_SUFFIXES}.")
+    try:
+        text = json_text.read_text(path)
+        read = json_text.iter_lines if suffix == ".jsonl" else json_text.iter_values
+        yield from read(path, text, _hint(path))
+    except json_text.JsonTextError as e:
+        raise DatasetFormatError(str(e)) from None
 
 
 def data_files(folder: Path) -> list[Path]:
@@ -438,11 +411,9 @@ def read_fields(folder: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     try:
-        fields = json.loads(_read_utf8(path))
-    except json.JSONDecodeError as e:
-        raise _invalid(
-            path, e, 'It must be one object, e.g. {"question": "instruction"}.'
-        ) from None
+        fields = json_text.load(path, 'It must be one object, e.g. {"question": "instruction"}.')
+    except json_text.JsonTextError as e:
+        raise DatasetFormatError(str(e)) from None
     if not isinstance(fields, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in fields.items()
     ):

@@ -151,8 +151,12 @@ def test_jsonl_and_parquet_lines(tmp_path):
 def test_malformed_json_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "a", "solution": "b"}\n{"problem": oops}\n')
-    with pytest.raises(DatasetFormatError, match=r"bad\.jsonl:2: invalid JSON"):
+    with pytest.raises(DatasetFormatError) as e:
         list(iter_file_records(path))
+    assert str(e.value) == (
+        f"{path}:2:13: invalid JSON (Expecting value). Each line of a .jsonl file must be one "
+        "JSON object (a pretty-printed JSON array belongs in a .json file)."
+    )
 
 
 def test_unknown_form_lists_keys_and_accepted_forms(tmp_path):
@@ -225,7 +229,7 @@ def test_concatenated_json_objects_are_all_read(tmp_path):
 def test_text_after_the_top_level_value_is_an_error_at_its_line(tmp_path):
     path = tmp_path / "tail.json"
     path.write_text('[{"problem": "a", "solution": "b"}]\nhello\n')
-    with pytest.raises(DatasetFormatError, match=r"tail\.json:2: invalid JSON \(Expecting value"):
+    with pytest.raises(DatasetFormatError, match=r"tail\.json:2:1: invalid JSON \(Expecting value"):
         list(iter_file_records(path))
 
 
