@@ -20,6 +20,7 @@ from cluster_pipeline.core.formats import (
     SUPPORTED_SUFFIXES,
     Sample,
     data_files,
+    empty_file_reason,
     read_dataset_folder,
 )
 from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
@@ -57,36 +58,58 @@ def dataset_name_problem(name: str) -> str | None:
     return None
 
 
+def _folder_problem(folder: Path) -> str | None:
+    """Why a visible folder holds no dataset, or None: no data file, or every data file holds
+    no record (:func:`~cluster_pipeline.core.formats.empty_file_reason`; the check stops at the
+    first file that may hold one)."""
+    files = data_files(folder)
+    if not files:
+        return (
+            f"{folder} holds no {', '.join(SUPPORTED_SUFFIXES)} file (eval.json and fields.json "
+            "are settings, not data); put the dataset's files there"
+        )
+    empty = []
+    for path in files:
+        reason = empty_file_reason(path)
+        if reason is None:
+            return None
+        empty.append(f"{path.relative_to(folder)} ({reason})")
+    shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    return f"every data file in {folder} holds no records: {shown}; put the dataset's records there"
+
+
 def _data_folders(raw_dir: Path) -> list[Path]:
     if not raw_dir.is_dir():
         return []
-    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and data_files(c)]
+    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and _folder_problem(c) is None]
 
 
 def discover_datasets(raw_dir: Path) -> list[str]:
     """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
-    that holds at least one data file (an ``eval.json`` alone does not count) and whose name
-    can be a partition key (:func:`dataset_name_problem`). Sorted, built-in first."""
+    that holds at least one data file with records (an ``eval.json`` alone, or files that are
+    empty or whitespace, do not count) and whose name can be a partition key
+    (:func:`dataset_name_problem`). Sorted, built-in first."""
     names = [c.name for c in _data_folders(raw_dir) if dataset_name_problem(c.name) is None]
     return [STDLIB_DATASET, *names]
 
 
 def refused_datasets(raw_dir: Path) -> dict[str, str]:
-    """Folders under ``raw_dir`` that are not partitions, with the reason: data files under a
-    name that cannot be a partition key, or a (visible) folder without data files."""
+    """Folders under ``raw_dir`` that are not partitions, with the reason: data under a name
+    that cannot be a partition key, or a (visible) folder without data files or whose data
+    files all hold no record."""
     out = {}
-    for c in _data_folders(raw_dir):
-        reason = dataset_name_problem(c.name)
-        if reason is not None:
-            out[c.name] = reason
-    if raw_dir.is_dir():
-        files = ", ".join(SUPPORTED_SUFFIXES)
-        for c in sorted(raw_dir.iterdir()):
-            if c.is_dir() and not c.name.startswith(".") and not data_files(c):
-                out[c.name] = (
-                    f"{c} holds no {files} file (eval.json and fields.json are settings, not "
-                    "data); put the dataset's files there"
-                )
+    if not raw_dir.is_dir():
+        return out
+    for c in sorted(raw_dir.iterdir()):
+        if not c.is_dir():
+            continue
+        problem = _folder_problem(c)
+        if problem is None:
+            problem = dataset_name_problem(c.name)
+        elif c.name.startswith("."):
+            continue  # a hidden folder without data is nobody's dataset
+        if problem is not None:
+            out[c.name] = problem
     return dict(sorted(out.items()))
 
 

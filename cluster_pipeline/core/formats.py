@@ -27,8 +27,9 @@ such values in a row), Parquet (any number of shards) or the Arrow files of a Hu
 ``datasets`` folder written by ``save_to_disk`` (its ``dataset_info.json``, ``state.json`` and
 ``dataset_dict.json`` are metadata, not records). JSON text is read strictly
 (:mod:`cluster_pipeline.core.json_text`: what ``json.loads`` rejects, ``NaN``, unpaired
-surrogates and repeated keys are refused at ``file:line:column``). A ``fields.json`` file in
-the dataset folder renames fields before the forms are matched (``{"question": "instruction",
+surrogates and repeated keys are refused at ``file:line:column``); a file that holds no record
+(0 bytes, whitespace, ``[]``, no rows) is refused by name. A ``fields.json`` file in the dataset
+folder renames fields before the forms are matched (``{"question": "instruction",
 "answer": "output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row)
 it came from, so a trained-on sample can be traced back to its source.
 """
@@ -383,6 +384,72 @@ def iter_file_records(path: Path) -> Iterator[tuple[int, Any]]:
         raise DatasetFormatError(str(e)) from None
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def empty_file_reason(path: Path) -> str | None:
+    """Why a data file holds no record (``"0 bytes"``, ``"only whitespace"``, ``"only a
+    byte-order mark"``, ``"only an empty JSON array"``, ``"no rows"``, ...), or None when it may
+    hold one. Cheap enough for the sensor: JSON text is read only up to its first character
+    that is not whitespace or an empty array; Parquet by its footer; Arrow batch by batch up
+    to the first non-empty one. A file that cannot be read gives None (the reader names what
+    is wrong with it)."""
+    try:
+        if path.stat().st_size == 0:
+            return "0 bytes"
+    except OSError:
+        return None
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".arrow"):
+        return None if _has_rows(path) is not False else "no rows"
+    bom, whitespace, arrays, in_array = False, False, 0, False
+    with path.open("rb") as f:
+        head = f.read(len(_BOM))
+        if head == _BOM:
+            bom, head = True, b""
+        block = head
+        while True:
+            for byte in block:
+                if byte in b" \t\r\n":
+                    whitespace = True
+                elif suffix == ".json" and not in_array and byte == ord("["):
+                    in_array = True
+                elif in_array and byte == ord("]"):
+                    in_array, arrays = False, arrays + 1
+                else:
+                    return None
+            block = f.read(1 << 16)
+            if not block:
+                break
+    if in_array:
+        return None  # an unclosed array: the reader names it
+    if arrays:
+        return "only an empty JSON array" if arrays == 1 else "only empty JSON arrays"
+    if whitespace:
+        return "only a byte-order mark and whitespace" if bom else "only whitespace"
+    return "only a byte-order mark"
+
+
+def _has_rows(path: Path) -> bool | None:
+    """Whether a Parquet/Arrow file has a row; None if it cannot be read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            return pq.read_metadata(path).num_rows > 0
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+            return any(batch.num_rows for batch in reader)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file = pa.ipc.open_file(source)
+            return any(file.get_batch(i).num_rows for i in range(file.num_record_batches))
+    except Exception:
+        return None
+
+
 def data_files(folder: Path) -> list[Path]:
     """The dataset's sample files under ``folder``, sorted: every .json/.jsonl/.parquet/.arrow
     file except the folder's own settings (``eval.json``, ``fields.json``) and the metadata
@@ -436,7 +503,8 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
     path order, after the folder's field renaming (:func:`read_fields`).
 
     Raises:
-        DatasetFormatError: the folder holds no data file, or a record is malformed.
+        DatasetFormatError: the folder holds no data file, a data file holds no record
+            (:func:`empty_file_reason`), or a file or record is malformed.
     """
     files = data_files(folder)
     if not files:
@@ -446,5 +514,15 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
         )
     fields = read_fields(folder)
     for path in files:
-        for line, record in iter_file_records(path):
-            yield normalise_record(record, str(path), line, fields)
+        # Checked first: a 0-byte Parquet file is not even readable as Parquet.
+        empty = empty_file_reason(path)
+        n = 0
+        if empty is None:
+            for line, record in iter_file_records(path):
+                n += 1
+                yield normalise_record(record, str(path), line, fields)
+        if n == 0:
+            raise DatasetFormatError(
+                f"{path}: holds no records ({empty or 'none read'}); remove the file or put the "
+                "dataset's records in it."
+            )

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 
 from cluster_pipeline.core.datasets import (
@@ -26,7 +27,8 @@ def test_discover_lists_builtin_first_then_folders_with_data(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x.jsonl").write_text("{}\n")
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "x.parquet").write_bytes(b"")
+    (tmp_path / "a" / "x.parquet").write_bytes(b"")  # 0 bytes: no records ...
+    (tmp_path / "a" / "y.jsonl").write_text('{"problem": "p", "solution": "s"}\n')  # ... these
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("no data")
@@ -170,3 +172,31 @@ def test_records_per_file_counts_each_source():
     ]
     _, stats = build_instruction_table(samples, 0.0, None, None, 0)
     assert stats.records_per_file == {"a.json": 2, "b.json": 3}
+
+
+def test_folders_whose_data_files_hold_no_records_are_refused(tmp_path):
+    raw = tmp_path / "raw"
+    (raw / "blank").mkdir(parents=True)
+    (raw / "blank" / "a.jsonl").write_bytes(b"")
+    (raw / "blank" / "b.json").write_text("  \n\n")
+    (raw / "blank" / "sub").mkdir()
+    (raw / "blank" / "sub" / "c.json").write_bytes(b"\xef\xbb\xbf[]\n")
+    (raw / "blank" / "sub" / "d.jsonl").write_text("\n")
+    pl.DataFrame(schema={"text": pl.String}).write_parquet(raw / "blank" / "e.parquet")
+    (raw / "one").mkdir()
+    (raw / "one" / "a.jsonl").write_bytes(b"")
+    (raw / "mixed").mkdir()
+    (raw / "mixed" / "a.jsonl").write_bytes(b"")
+    (raw / "mixed" / "b.jsonl").write_text('{"problem": "p", "solution": "s"}\n')
+    (raw / ".hidden_blank").mkdir()
+    (raw / ".hidden_blank" / "a.jsonl").write_bytes(b"")
+    # A folder with one file that has records is a dataset (raw_instructions then names the
+    # empty file); hidden folders without records say nothing.
+    assert discover_datasets(raw) == ["python_stdlib", "mixed"]
+    assert refused_datasets(raw) == {
+        "blank": f"every data file in {raw / 'blank'} holds no records: a.jsonl (0 bytes), "
+        "b.json (only whitespace), e.parquet (no rows) and 2 more; put the dataset's records "
+        "there",
+        "one": f"every data file in {raw / 'one'} holds no records: a.jsonl (0 bytes); put the "
+        "dataset's records there",
+    }

@@ -8,6 +8,7 @@ import pytest
 
 from cluster_pipeline.core.formats import (
     DatasetFormatError,
+    empty_file_reason,
     iter_file_records,
     normalise_record,
     read_dataset_folder,
@@ -345,3 +346,66 @@ def test_shared_multi_turn_sharegpt_dialogues_keep_their_turns(tmp_path):
         for s in samples
     )
     assert turns == EXPECTED_SHAREGPT_TURNS
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        pytest.param("a.jsonl", b"", "0 bytes", id="zero_bytes_jsonl"),
+        pytest.param("a.json", b"", "0 bytes", id="zero_bytes_json"),
+        pytest.param("a.parquet", b"", "0 bytes", id="zero_bytes_parquet"),
+        pytest.param("a.jsonl", b"\n\n  \r\n\t\n", "only whitespace", id="whitespace_jsonl"),
+        pytest.param("a.json", b"   \n", "only whitespace", id="whitespace_json"),
+        pytest.param("a.jsonl", b"\xef\xbb\xbf", "only a byte-order mark", id="bom"),
+        pytest.param(
+            "a.json", b"\xef\xbb\xbf\n \n", "only a byte-order mark and whitespace", id="bom_ws"
+        ),
+        pytest.param("a.json", b"[]\n", "only an empty JSON array", id="empty_array"),
+        pytest.param("a.json", b"[ ]\n[\n]\n", "only empty JSON arrays", id="empty_arrays"),
+    ],
+)
+def test_a_file_without_records_is_refused_by_name(tmp_path, name, content, reason):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert empty_file_reason(path) == reason
+    (tmp_path / "good.jsonl").write_text('{"problem": "a", "solution": "b"}\n')
+    with pytest.raises(DatasetFormatError) as e:
+        list(read_dataset_folder(tmp_path))
+    assert str(e.value) == (
+        f"{path}: holds no records ({reason}); remove the file or put the dataset's records in it."
+    )
+
+
+def test_a_parquet_file_without_rows_is_refused_by_name(tmp_path):
+    path = tmp_path / "empty.parquet"
+    pl.DataFrame(
+        {"instruction": [], "output": []}, schema={"instruction": pl.String, "output": pl.String}
+    ).write_parquet(path)
+    assert empty_file_reason(path) == "no rows"
+    with pytest.raises(DatasetFormatError) as e:
+        list(read_dataset_folder(tmp_path))
+    assert str(e.value) == (
+        f"{path}: holds no records (no rows); remove the file or put the dataset's records in it."
+    )
+
+
+@pytest.mark.parametrize(
+    "content", ['{"problem": "a", "solution": "b"}', "[{}]", "[\n {}", "x", "[ ]  {}"]
+)
+def test_a_file_that_may_hold_records_is_not_called_empty(tmp_path, content):
+    path = tmp_path / "d.json"
+    path.write_text(content)
+    assert empty_file_reason(path) is None
+
+
+def test_records_without_fields_name_their_place(tmp_path):
+    # `{}` is a record (the file is not empty), one that matches no form.
+    path = tmp_path / "e.jsonl"
+    path.write_text('{"problem": "a", "solution": "b"}\n{}\n')
+    with pytest.raises(DatasetFormatError) as e:
+        list(read_dataset_folder(tmp_path))
+    assert str(e.value) == f"{path}:2: record with keys [] matches no accepted form. " + (
+        "Use instruction/input/output (Alpaca), instruction/response, problem/solution "
+        "(Magicoder), prompt/completion (TRL), conversations (ShareGPT), messages (OpenAI) or "
+        "text; or map your fields onto these in fields.json in the dataset folder."
+    )

@@ -1,5 +1,6 @@
 """Operating the pipeline: partitions that appear, the nightly refresh, lineage, subset versions."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -355,3 +356,68 @@ def test_instance_settings_queue_one_run_per_partition_and_monitor_runs(tmp_path
         other = dg.DagsterRun(job_name="g", tags={"dagster/partition": "code"})
         counter = TagConcurrencyLimitsCounter(limits, [running])
         assert counter.is_blocked(same) and not counter.is_blocked(other)
+
+
+@contextlib.contextmanager
+def _materialized_raw(data: Path, name: str):
+    """(instance, result) of materializing raw_instructions for ``name`` (failures kept)."""
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, [name])
+        yield (
+            instance,
+            dg.materialize(
+                [raw_instructions],
+                partition_key=name,
+                instance=instance,
+                resources={"storage": StorageResource(data_dir=str(data))},
+                raise_on_error=False,
+            ),
+        )
+
+
+def test_raw_instructions_names_an_empty_file_beside_good_ones(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "mixed" / "a.jsonl", tiny_records(4))
+    (data / "raw" / "mixed" / "b.json").write_text("\n  \n")
+    with _materialized_raw(data, "mixed") as (_, result):
+        assert not result.success
+        assert step_failure(result)[0] == (
+            f"dataset 'mixed': {data / 'raw' / 'mixed' / 'b.json'}: holds no records (only "
+            "whitespace); remove the file or put the dataset's records in it."
+        )
+
+
+def test_a_folder_of_empty_files_is_never_a_partition(tmp_path):
+    data = tmp_path / "data"
+    (data / "raw" / "blank").mkdir(parents=True)
+    (data / "raw" / "blank" / "a.jsonl").write_bytes(b"")
+    (data / "raw" / "blank" / "b.json").write_text("[]\n")
+    write_jsonl(data / "raw" / "good" / "a.jsonl", tiny_records(2))
+    reason = (
+        f"every data file in {data / 'raw' / 'blank'} holds no records: a.jsonl (0 bytes), "
+        "b.json (only an empty JSON array); put the dataset's records there"
+    )
+    storage = StorageResource(data_dir=str(data))
+    with dg.instance_for_test() as instance:
+        ctx = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        result = dataset_folders_sensor(ctx)
+        assert isinstance(result, dg.SensorResult) and result.dynamic_partitions_requests
+        assert result.dynamic_partitions_requests[0].partition_keys == ["python_stdlib", "good"]
+    d = ["--data-dir", str(data)]
+    required = _datasets_cli(tmp_path, "sync", "--require", "blank", *d)
+    assert (required.returncode, required.stderr) == (
+        2,
+        f"cluster-pipeline datasets: error: dataset 'blank' cannot be registered: {reason}.\n",
+    )
+    synced = _datasets_cli(tmp_path, "sync", *d)
+    assert synced.returncode == 0
+    assert synced.stdout == "registered new dataset partitions: python_stdlib, good\n"
+    assert synced.stderr == f"skipping data/raw/blank/: {reason}\n"
+    listed = _datasets_cli(tmp_path, "list", *d).stdout.splitlines()
+    assert listed == [
+        "python_stdlib\tregistered",
+        "good\tregistered",
+        f"blank\trefused: {reason}",
+    ]
