@@ -231,18 +231,28 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# Columns added after the first tables were written; older versions read them as null (single
+# exchanges, no tools).
+_LATER_COLUMNS = ("messages", "tools")
+
+
 def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFrame:
     """``columns`` of a ``raw_instructions`` table version. Versions written before the
-    ``messages`` column existed read it as null (single exchanges)."""
+    ``messages`` or ``tools`` column existed read it as null."""
     scan = pl.scan_delta(uri, version=version)
     have = set(scan.collect_schema().names())
-    frame = scan.select([c for c in columns if c in have]).collect()
-    if "messages" in columns and "messages" not in have:
-        frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("messages"))
-    return frame.select(columns)
+    missing = [c for c in _LATER_COLUMNS if c in columns and c not in have]
+    return (
+        scan.with_columns([pl.lit(None, dtype=pl.String).alias(c) for c in missing])
+        .select(columns)
+        .collect()
+    )
 
 
-TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages"]
+# What a sample is rendered from (tokenization.encode_rows).
+TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages", "tools"]
+# ... plus where it came from, so an error rendering it names its source file and line.
+EMBEDDING_COLUMNS = [*TRAINING_COLUMNS, "source_file", "source_line"]
 
 
 def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
@@ -256,4 +266,5 @@ def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
         .filter(pl.col("sample_id").is_in(sorted(sample_ids)))
         .sort("sample_id")
     )
-    return stable_hash(rows.rows())
+    # A sample without tools hashes as it did before the tools column existed.
+    return stable_hash([row[:-1] if row[-1] is None else row for row in rows.rows()])

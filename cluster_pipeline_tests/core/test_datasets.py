@@ -200,3 +200,23 @@ def test_folders_whose_data_files_hold_no_records_are_refused(tmp_path):
         "one": f"every data file in {raw / 'one'} holds no records: a.jsonl (0 bytes); put the "
         "dataset's records there",
     }
+
+
+def test_tables_without_a_tools_column_read_it_as_null_and_keep_their_fingerprint(tmp_path):
+    from cluster_pipeline.core.cache import stable_hash
+    from cluster_pipeline.core.datasets import (
+        TRAINING_COLUMNS,
+        read_instructions,
+        samples_fingerprint,
+    )
+    from cluster_pipeline.core.tables import write_table
+
+    frame, _ = build_instruction_table(_samples(4), 0.0, None, None, 0)
+    old = write_table(frame.drop("tools", strict=False), str(tmp_path / "old"))
+    got = read_instructions(old.uri, old.version, ["sample_id", "tools"])
+    assert got["tools"].to_list() == [None] * 4 and got.height == 4
+    assert read_instructions(old.uri, old.version, ["tools"]).height == 4
+    # The hash the checkpoint cache was keyed by before tools existed: the rows without it.
+    before = frame.select([c for c in TRAINING_COLUMNS if c != "tools"]).sort("sample_id").rows()
+    ids = set(frame["sample_id"])
+    assert samples_fingerprint(old.uri, old.version, ids) == stable_hash(before)

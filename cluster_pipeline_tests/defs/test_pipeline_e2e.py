@@ -309,5 +309,9 @@ def test_a_template_that_cannot_split_turns_fails_naming_dataset_and_sample(tmp_
         description, _ = step_failure(failed)
         sid = normalise_record({"messages": dialogue}, "c.jsonl", 1).sample_id
         assert description.startswith("dataset 'chats', cluster_pipeline.training.embed: ")
-        assert f"sample {sid}: the chat template does not render assistant turn 1" in description
+        source = data / "raw" / "chats" / "c.jsonl"
+        assert (
+            f"sample {sid} ({source}:1): the chat template does not render assistant turn 1"
+            in description
+        )
         assert "response_turns='last'" in description
