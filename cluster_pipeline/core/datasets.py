@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +36,10 @@ INSTRUCTION_SCHEMA = {
     "form": pl.String,
     "source_file": pl.String,
     "source_line": pl.Int64,
-    # The whole conversation (JSON list of {role, content}) when it has more than one exchange.
+    # The kept conversation (JSON list of {role, content}) unless the record was one exchange.
     "messages": pl.String,
+    # The function schemas (JSON list) the record gives the model; null when it has none.
+    "tools": pl.String,
 }
 
 
@@ -134,7 +137,10 @@ def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
 @dataclass(frozen=True)
 class SplitStats:
     """Counts of one ``raw_instructions`` build; ``records_per_file`` maps each source file
-    (relative to the dataset folder where possible) to the records read from it."""
+    (relative to the dataset folder where possible) to the records read from it.
+    ``dropped_turns`` (turns, by reason) and ``dropped_fields`` (occurrences, by field name)
+    sum :attr:`Sample.dropped_turns` / :attr:`Sample.dropped_fields` over every record read,
+    duplicates included: what the reader did not keep."""
 
     records: int
     duplicates: int
@@ -142,6 +148,8 @@ class SplitStats:
     heldout: int
     train_available: int
     records_per_file: dict[str, int] = field(default_factory=dict)
+    dropped_turns: dict[str, int] = field(default_factory=dict)
+    dropped_fields: dict[str, int] = field(default_factory=dict)
 
 
 def _order_key(seed: int, sid: str) -> str:
@@ -173,9 +181,13 @@ def build_instruction_table(
     rows: dict[str, Sample] = {}
     records = 0
     per_file: dict[str, int] = {}
+    turns: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
     for s in samples:
         records += 1
         per_file[s.source_file] = per_file.get(s.source_file, 0) + 1
+        turns.update(s.dropped_turns)
+        fields.update(s.dropped_fields)
         rows.setdefault(s.sample_id, s)
     n = len(rows)
     if n == 0:
@@ -202,10 +214,20 @@ def build_instruction_table(
             "source_file": [s.source_file for _, s in kept],
             "source_line": [s.source_line for _, s in kept],
             "messages": [s.messages for _, s in kept],
+            "tools": [s.tools for _, s in kept],
         },
         schema=INSTRUCTION_SCHEMA,
     )
-    stats = SplitStats(records, records - n, n_train, n_heldout, train_available, per_file)
+    stats = SplitStats(
+        records,
+        records - n,
+        n_train,
+        n_heldout,
+        train_available,
+        per_file,
+        dict(sorted(turns.items())),
+        dict(sorted(fields.items())),
+    )
     return frame, stats
 
 

@@ -18,9 +18,27 @@ form                           fields
 Conversations keep their turn structure: a record with more than one user/assistant exchange,
 or with ``tool`` turns, keeps every turn (system, user, assistant, tool) in
 :attr:`Sample.messages`; ``prompt`` then shows the earlier turns flattened for reading and
-``response`` the last answer. Turns after the last assistant turn are dropped (nothing to learn
-from them). Roles: ``human``/``user``; ``gpt``/``assistant``/``model``/``function_call``;
-``system``; ``tool``/``function``/``observation``/``ipython`` (context, never trained).
+``response`` the last answer. Roles: ``human``/``user``; ``gpt``/``assistant``/``model``/
+``function_call``; ``system``; ``tool``/``function``/``observation``/``ipython`` (context,
+never trained). A record's own ``system`` field is a leading system turn (LLaMA-Factory's
+ShareGPT and Alpaca columns).
+
+Chat rules, and why:
+
+* Turns after the last assistant turn (a trailing user, tool or system turn) are not kept:
+  nothing in them is trained, and in a causal LM no trained token attends to them, so the loss
+  and the proxy embedding are exactly those of the whole record (TRL keeps such turns in the
+  sequence, untrained: the same numbers; LLaMA-Factory skips the whole record as "invalid
+  message count"). They are counted in ``Sample.dropped_turns`` (``after_last_assistant``),
+  and such a record keeps its ``messages`` even when one exchange is left.
+* A conversation whose first non-system turn is an assistant turn is refused: no question
+  precedes the answer, and chat templates cannot render it (LLaMA-Factory also rejects it).
+* Tools: ``tools`` (or the legacy OpenAI ``functions``) is kept as a JSON list of function
+  schemas in :attr:`Sample.tools`, passed to the chat template and hashed into the sample id.
+  An OpenAI assistant message's ``tool_calls`` (or legacy ``function_call``) is trained as the
+  call's JSON ``{"name", "arguments"}``, the text a ShareGPT ``function_call`` turn holds.
+* Every other non-null field (``id``, a turn's ``weight``, a tool call's ``id``) is counted
+  by name in :attr:`Sample.dropped_fields`; ``raw_instructions`` reports both counts.
 
 Files may be JSONL (one record per line), JSON (one record, an array of records, or several
 such values in a row), Parquet (any number of shards) or the Arrow files of a Hugging Face
@@ -29,9 +47,9 @@ such values in a row), Parquet (any number of shards) or the Arrow files of a Hu
 (:mod:`cluster_pipeline.core.json_text`: what ``json.loads`` rejects, ``NaN``, unpaired
 surrogates and repeated keys are refused at ``file:line:column``); a file that holds no record
 (0 bytes, whitespace, ``[]``, no rows) is refused by name. A ``fields.json`` file in the dataset
-folder renames fields before the forms are matched (``{"question": "instruction",
-"answer": "output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row)
-it came from, so a trained-on sample can be traced back to its source.
+folder renames fields before the forms are matched (``{"question": "instruction", "answer":
+"output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row) it came
+from, so a trained-on sample can be traced back to its source.
 """
 
 from __future__ import annotations
@@ -39,8 +57,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +96,8 @@ FIELD_NAMES = (
     "conversations",
     "messages",
     "text",
+    "system",
+    "tools",
 )
 
 _ROLE_ALIASES = {
@@ -104,11 +125,17 @@ class DatasetFormatError(ValueError):
 class Sample:
     """One normalised instruction sample.
 
-    ``system`` is the system message of chat-form records (``""`` if none); ``prompt`` is the
-    user turn (several turns flattened as ``"User: …\n\nAssistant: …"``) and ``response`` the
-    final assistant turn. ``messages`` is ``None`` for a single exchange, else the whole
-    conversation as JSON (a list of ``{"role", "content"}``, roles system/user/assistant/tool),
-    which is what is rendered and trained. ``text`` records have ``prompt == ""``.
+    ``system`` is the system message (``""`` if none); ``prompt`` is the user turn (several
+    turns flattened as ``"User: …\n\nAssistant: …"``) and ``response`` the final assistant turn.
+    ``messages`` is ``None`` when the record was exactly one exchange (system turns, one user
+    turn, the answer), else the kept conversation as JSON (a list of ``{"role", "content"}``,
+    roles system/user/assistant/tool), which is what is rendered and trained. ``tools`` is the
+    record's function schemas as a JSON list (``{"type": "function", "function": {...}}``
+    each), or ``None``. ``text`` records have ``prompt == ""``.
+
+    ``dropped_turns`` counts the record's turns that were not kept, by reason
+    (``after_last_assistant``); ``dropped_fields`` the non-null fields the form does not read,
+    by name (``id``, ``conversations[].weight``: one per record or per turn that had it).
     """
 
     prompt: str
@@ -118,10 +145,13 @@ class Sample:
     source_file: str
     source_line: int
     messages: str | None = None
+    tools: str | None = None
+    dropped_turns: Mapping[str, int] = field(default_factory=dict)
+    dropped_fields: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def sample_id(self) -> str:
-        return sample_id(self.system, self.prompt, self.response)
+        return sample_id(self.system, self.prompt, self.response, self.tools)
 
 
 def conversation(
@@ -139,14 +169,17 @@ def conversation(
     return out
 
 
-def sample_id(system: str, prompt: str, response: str) -> str:
-    """Stable content hash of a sample: the first 16 hex digits of sha256(system, prompt, response).
+def sample_id(system: str, prompt: str, response: str, tools: str | None = None) -> str:
+    """Stable content hash of a sample: the first 16 hex digits of sha256 over the
+    length-prefixed UTF-8 of system, prompt, response and, when the sample has any, its
+    ``tools`` JSON (so the ids of samples without tools are what they were before tools were
+    read, and samples that differ only in their tools are not duplicates).
 
     Identical content gets the same id in any file or run; 64 bits make a collision in a
     10-million-sample pool about a 3e-6 chance.
     """
     h = hashlib.sha256()
-    for part in (system, prompt, response):
+    for part in (system, prompt, response, *([] if tools is None else [tools])):
         data = part.encode("utf-8")
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
@@ -171,13 +204,133 @@ def _text(value: object, field: str, where: str) -> str:
     )
 
 
-def _from_turns(turns: object, role_key: str, text_key: str, form: str, where: str):
-    """(system, prompt, response, messages JSON or None) of a conversation record."""
+def _loads_inner(value: str, field: str, where: str) -> Any:
+    """A field that holds JSON as a string (LLaMA-Factory writes ``tools`` so), parsed as
+    strictly as a file is (:mod:`cluster_pipeline.core.json_text`)."""
+    try:
+        return json_text.loads(value)
+    except json_text.JsonTextError as e:
+        raise DatasetFormatError(
+            f"{where}: field {field!r} holds a string that is not strict JSON ({e}). Write the "
+            "value as JSON, or as a string holding valid JSON."
+        ) from None
+
+
+def _tools(record: Mapping[Any, Any], where: str) -> str | None:
+    """The record's function schemas as a JSON list, or None (absent, null, ``""`` or
+    ``[]``). ``tools`` (OpenAI, TRL, LLaMA-Factory; a list, or a string holding one) or the
+    legacy OpenAI ``functions``; a bare schema (``{"name", "description", "parameters"}``, as
+    Glaive writes) is wrapped as ``{"type": "function", "function": schema}``, the form
+    ``apply_chat_template(tools=...)`` documents."""
+    given = {k: record[k] for k in ("tools", "functions") if record.get(k) not in (None, "", [])}
+    if not given:
+        return None
+    if len(given) == 2:
+        raise DatasetFormatError(
+            f"{where}: the record has both 'tools' and the legacy 'functions'; keep one."
+        )
+    [(name, value)] = given.items()
+    if isinstance(value, str):
+        value = _loads_inner(value, name, where)
+    if value in (None, []):
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DatasetFormatError(
+            f"{where}: field {name!r} must be a list of function schemas (JSON objects), got "
+            f"{json.dumps(value, ensure_ascii=False)[:120]}."
+        )
+    out = []
+    for i, tool in enumerate(value):
+        if "type" in tool:
+            out.append(tool)
+        elif isinstance(tool.get("name"), str):
+            out.append({"type": "function", "function": tool})
+        else:
+            raise DatasetFormatError(
+                f"{where}: tool {i} of {name!r} has neither 'type' nor a 'name'; write it as "
+                '{"type": "function", "function": {"name": ..., "parameters": ...}} or as a '
+                "bare function schema with a name."
+            )
+    return json.dumps(out, ensure_ascii=False)
+
+
+def _tool_calls(turn: Mapping[str, Any], field: str, i: int, where: str, dropped: Counter) -> str:
+    """The tool calls of an OpenAI assistant message (``tool_calls``, or the legacy
+    ``function_call``) as the text the assistant turn trains: ``{"name", "arguments"}`` as JSON
+    (a list for several calls), arguments parsed when they are a JSON string, which is the text
+    a ShareGPT ``function_call`` turn holds (LLaMA-Factory's OpenAI converter does the same).
+    ``""`` when there is none."""
+    calls = turn.get("tool_calls")
+    legacy = turn.get("function_call")
+    if calls in (None, []) and legacy is None:
+        return ""
+    if calls not in (None, []) and legacy is not None:
+        raise DatasetFormatError(
+            f"{where}: turn {i} has both 'tool_calls' and the legacy 'function_call'; keep one."
+        )
+    if legacy is not None:
+        calls = [{"type": "function", "function": legacy}]
+    if not isinstance(calls, list):
+        raise DatasetFormatError(f"{where}: turn {i}: 'tool_calls' must be a list of calls.")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise DatasetFormatError(
+                f"{where}: turn {i}, tool call {j} must be "
+                '{"type": "function", "function": {"name": ..., "arguments": ...}}; got '
+                f"{json.dumps(call, ensure_ascii=False)[:120]}."
+            )
+        for key, value in call.items():
+            if key not in ("type", "function") and value is not None:
+                dropped[f"{field}[].tool_calls[].{key}"] += 1
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json_text.loads(arguments)
+            except json_text.JsonTextError:
+                pass  # not JSON: trained as the text it is
+        out.append({"name": fn["name"], "arguments": arguments})
+    return json.dumps(out[0] if len(out) == 1 else out, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class _Chat:
+    system: str
+    prompt: str
+    response: str
+    messages: str | None
+    dropped_turns: dict[str, int]
+
+
+def _from_turns(
+    turns: object,
+    role_key: str,
+    text_key: str,
+    form: str,
+    field: str,
+    system_field: str,
+    where: str,
+    dropped: Counter,
+) -> _Chat:
+    """A conversation record's turns, normalised (docs/design.md, "Reading datasets": chat
+    rules). ``system_field`` is the record's own ``system`` field (a leading system turn);
+    turn keys the reader does not read are counted into ``dropped`` as ``field[].key``."""
     if not isinstance(turns, list) or not turns:
         raise DatasetFormatError(f"{where}: {form} record needs a non-empty list of turns.")
-    normalised: list[tuple[str, str]] = []
+    normalised: list[tuple[str, str]] = [("system", system_field)] if system_field else []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        calls_ok = role_key == "role" and isinstance(turn, dict)
+        has_calls = calls_ok and any(turn.get(k) for k in ("tool_calls", "function_call"))
+        if (
+            not isinstance(turn, dict)
+            or role_key not in turn
+            or (text_key not in turn and not has_calls)
+        ):
             raise DatasetFormatError(
                 f"{where}: turn {i} of the {form} record must be an object with "
                 f"{role_key!r} and {text_key!r}; got {turn!r:.120}."
@@ -188,22 +341,47 @@ def _from_turns(turns: object, role_key: str, text_key: str, form: str, where: s
                 f"{where}: turn {i} has unknown role {turn[role_key]!r}; "
                 f"expected one of {sorted(set(_ROLE_ALIASES))}."
             )
-        normalised.append((role, _text(turn[text_key], text_key, where)))
+        content = _text(turn.get(text_key), text_key, where)
+        read = {role_key, text_key}
+        if calls_ok and role == "assistant":
+            read |= {"tool_calls", "function_call"}
+            calls = _tool_calls(turn, field, i, where, dropped)
+            content = f"{content}\n\n{calls}" if calls and content.strip() else calls or content
+        for key, value in turn.items():
+            if key not in read and value is not None:
+                dropped[f"{field}[].{key}"] += 1
+        normalised.append((role, content))
+    first = next((i for i, (r, _) in enumerate(normalised) if r != "system"), None)
+    if (
+        first is not None
+        and normalised[first][0] == "assistant"
+        and any(r == "user" for r, _ in normalised)
+    ):
+        raise DatasetFormatError(
+            f"{where}: the {form} record opens with an assistant turn (turn "
+            f"{first - bool(system_field)}), before any user turn: there is no question for it "
+            "to answer, and chat templates render an answer only after one. Remove the leading "
+            "assistant turn(s), or put the user turn first."
+        )
     last_assistant = max((i for i, (r, _) in enumerate(normalised) if r == "assistant"), default=-1)
     if last_assistant < 0:
         raise DatasetFormatError(f"{where}: {form} record has no assistant turn to learn from.")
     kept = normalised[: last_assistant + 1]
+    after = len(normalised) - len(kept)
+    dropped_turns = {"after_last_assistant": after} if after else {}
     system = "\n\n".join(t for r, t in kept[:last_assistant] if r == "system")
     dialogue = [(r, t) for r, t in kept[:last_assistant] if r != "system"]
     if not any(r == "user" for r, _ in dialogue):
         raise DatasetFormatError(f"{where}: {form} record has no user turn before its answer.")
+    as_json = json.dumps([{"role": r, "content": t} for r, t in kept], ensure_ascii=False)
     if len(dialogue) == 1:
-        return system, dialogue[0][1], kept[-1][1], None
+        # One exchange: system / prompt / response say it all; a record that had more turns
+        # (dropped after the answer) still shows the conversation it was cut to.
+        return _Chat(system, dialogue[0][1], kept[-1][1], as_json if after else None, dropped_turns)
     # Earlier turns are context for the last answer; keep them readable in one prompt (the
     # sample id hashes this text, as before turns were kept).
     prompt = "\n\n".join(f"{r.capitalize()}: {t}" for r, t in dialogue)
-    messages = json.dumps([{"role": r, "content": t} for r, t in kept], ensure_ascii=False)
-    return system, prompt, kept[-1][1], messages
+    return _Chat(system, prompt, kept[-1][1], as_json, dropped_turns)
 
 
 _ACCEPTED = (
@@ -211,6 +389,19 @@ _ACCEPTED = (
     "(Magicoder), prompt/completion (TRL), conversations (ShareGPT), messages (OpenAI) or "
     f"text; or map your fields onto these in {FIELDS_CONFIG_NAME} in the dataset folder."
 )
+
+# The top-level fields each form reads; every other non-null field is counted as dropped.
+_COMMON = ("system", "tools", "functions")
+_READ = {
+    "openai": ("messages", *_COMMON),
+    "sharegpt": ("conversations", *_COMMON),
+    "prompt_completion_chat": ("prompt", "completion", *_COMMON),
+    "prompt_completion": ("prompt", "completion", *_COMMON),
+    "alpaca": ("instruction", "input", "output", *_COMMON),
+    "instruction_response": ("instruction", "input", "response", *_COMMON),
+    "magicoder": ("problem", "solution", *_COMMON),
+    "text": ("text",),
+}
 
 
 def normalise_record(
@@ -220,58 +411,33 @@ def normalise_record(
     (``{"question": "instruction"}``, from the folder's ``fields.json``).
 
     Raises:
-        DatasetFormatError: the record is not an object or matches none of :data:`FORMS`; the
-            message gives ``file:line``, the keys found and the accepted forms.
+        DatasetFormatError: the record is not an object, matches none of :data:`FORMS`, or
+            breaks a chat rule (no user or assistant turn, an assistant turn first, malformed
+            ``tools`` or tool calls); the message gives ``file:line`` and what to do.
     """
     where = f"{source_file}:{source_line}"
     if not isinstance(record, dict):
         raise DatasetFormatError(
             f"{where}: expected a JSON object per sample, got {type(record).__name__}."
         )
+    original = {fields.get(k, k): k for k in record} if fields else {}
     if fields:
         record = {fields.get(k, k): v for k, v in record.items()}
-    messages = None
+    dropped: Counter = Counter()
+    chat: _Chat | None = None
     if "messages" in record:
         form = "openai"
-        system, prompt, response, messages = _from_turns(
-            record["messages"], "role", "content", form, where
-        )
     elif "conversations" in record:
         form = "sharegpt"
-        system, prompt, response, messages = _from_turns(
-            record["conversations"], "from", "value", form, where
-        )
     elif "prompt" in record and "completion" in record:
-        head, tail = record["prompt"], record["completion"]
-        if isinstance(head, list) and isinstance(tail, list):
-            form = "prompt_completion_chat"
-            system, prompt, response, messages = _from_turns(
-                [*head, *tail], "role", "content", form, where
-            )
-        else:
-            form = "prompt_completion"
-            system = ""
-            prompt = _text(head, "prompt", where)
-            response = _text(tail, "completion", where)
+        chat_lists = isinstance(record["prompt"], list) and isinstance(record["completion"], list)
+        form = "prompt_completion_chat" if chat_lists else "prompt_completion"
     elif "instruction" in record and ("output" in record or "response" in record):
         form = "alpaca" if "output" in record else "instruction_response"
-        instruction = _text(record["instruction"], "instruction", where)
-        extra = _text(record.get("input"), "input", where)
-        prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        response = _text(record["output" if form == "alpaca" else "response"], form, where)
-        system = ""
     elif "problem" in record and "solution" in record:
         form = "magicoder"
-        prompt = _text(record["problem"], "problem", where)
-        response = _text(record["solution"], "solution", where)
-        system = ""
     elif "text" in record:
-        text = _text(record["text"], "text", where)
-        if not text.strip():
-            raise DatasetFormatError(
-                f"{where}: the text is empty; remove the record or fill it in."
-            )
-        return Sample("", text, "", "text", source_file, source_line)
+        form = "text"
     else:
         raise DatasetFormatError(
             f"{where}: record with keys {sorted(map(str, record))[:12]}"
@@ -279,9 +445,53 @@ def normalise_record(
             + " matches no accepted form. "
             + _ACCEPTED
         )
+    for key, value in record.items():
+        if key not in _READ[form] and value is not None:
+            dropped[original.get(key, key)] += 1
+    if form == "text":
+        text = _text(record["text"], "text", where)
+        if not text.strip():
+            raise DatasetFormatError(
+                f"{where}: the text is empty; remove the record or fill it in."
+            )
+        return Sample("", text, "", "text", source_file, source_line, None, None, {}, dropped)
+    system = _text(record.get("system"), "system", where)
+    tools = _tools(record, where)
+    if form in ("openai", "sharegpt", "prompt_completion_chat"):
+        if form == "openai":
+            turns, keys, name = record["messages"], ("role", "content"), "messages"
+        elif form == "sharegpt":
+            turns, keys, name = record["conversations"], ("from", "value"), "conversations"
+        else:
+            turns, keys = [*record["prompt"], *record["completion"]], ("role", "content")
+            name = "prompt/completion"
+        chat = _from_turns(turns, *keys, form, name, system, where, dropped)
+        system, prompt, response = chat.system, chat.prompt, chat.response
+    elif form == "prompt_completion":
+        prompt = _text(record["prompt"], "prompt", where)
+        response = _text(record["completion"], "completion", where)
+    elif form in ("alpaca", "instruction_response"):
+        instruction = _text(record["instruction"], "instruction", where)
+        extra = _text(record.get("input"), "input", where)
+        prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        response = _text(record["output" if form == "alpaca" else "response"], form, where)
+    else:
+        prompt = _text(record["problem"], "problem", where)
+        response = _text(record["solution"], "solution", where)
     if not prompt.strip():
         raise DatasetFormatError(f"{where}: the prompt is empty; remove the record or fill it in.")
-    return Sample(prompt, response, system, form, source_file, source_line, messages)
+    return Sample(
+        prompt,
+        response,
+        system,
+        form,
+        source_file,
+        source_line,
+        chat.messages if chat else None,
+        tools,
+        chat.dropped_turns if chat else {},
+        dict(dropped),
+    )
 
 
 def _hint(path: Path) -> str:

@@ -1,6 +1,7 @@
 """Dataset discovery, dedup, the held-out split and the built-in stdlib dataset."""
 
 import ast
+import json
 import sys
 from pathlib import Path
 
@@ -200,6 +201,67 @@ def test_folders_whose_data_files_hold_no_records_are_refused(tmp_path):
         "one": f"every data file in {raw / 'one'} holds no records: a.jsonl (0 bytes); put the "
         "dataset's records there",
     }
+
+
+def test_dropped_turns_and_fields_are_summed_over_every_record_read():
+    from cluster_pipeline.core.formats import normalise_record
+
+    chat = {
+        "id": 1,
+        "conversations": [
+            {"from": "human", "value": "Q"},
+            {"from": "gpt", "value": "A"},
+            {"from": "human", "value": "thanks"},
+        ],
+    }
+    more = {
+        "id": 2,
+        "messages": [
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"},
+            {"role": "tool", "content": "t"},
+            {"role": "user", "content": "u"},
+        ],
+    }
+    samples = [
+        normalise_record(r, "c.json", i)
+        for i, r in enumerate([chat, chat, more, {"instruction": "I", "output": "O"}])
+    ]
+    frame, stats = build_instruction_table(samples, 0.0, None, None, 0)
+    assert (stats.records, stats.duplicates, frame.height) == (4, 1, 3)
+    assert stats.dropped_turns == {"after_last_assistant": 1 + 1 + 2}
+    assert stats.dropped_fields == {"id": 3}
+    assert frame["messages"].null_count() == 1  # only the Alpaca record was one exchange
+    assert frame["tools"].null_count() == 3
+
+
+def test_tools_are_a_column_and_keep_tool_only_differences_apart(tmp_path):
+    from cluster_pipeline.core.datasets import read_instructions, samples_fingerprint
+    from cluster_pipeline.core.formats import normalise_record
+    from cluster_pipeline.core.tables import write_table
+
+    exchange = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    tools = [[{"name": f"f{i}", "parameters": {}}] for i in range(3)]
+    samples = [
+        normalise_record({"messages": exchange, "tools": t}, "t.jsonl", i + 1)
+        for i, t in enumerate(tools)
+    ] + [normalise_record({"messages": exchange}, "t.jsonl", 4)]
+    frame, stats = build_instruction_table(samples, 0.0, None, None, 0)
+    assert (frame.height, stats.duplicates) == (4, 0)
+    assert frame["tools"].to_list() == [
+        json.dumps([{"type": "function", "function": t[0]}]) for t in tools
+    ] + [None]
+    table = write_table(frame, str(tmp_path / "t"))
+    got = read_instructions(table.uri, table.version, ["sample_id", "tools"])
+    assert got["tools"].to_list() == frame["tools"].to_list()
+    # A version written before the column existed reads it as null; the fingerprint of
+    # samples without tools is what it was before the column existed.
+    old = write_table(frame.drop("tools").tail(1), str(tmp_path / "old"))
+    assert read_instructions(old.uri, old.version, ["tools"])["tools"].to_list() == [None]
+    plain = {samples[3].sample_id}
+    assert samples_fingerprint(old.uri, old.version, plain) == samples_fingerprint(
+        table.uri, table.version, plain
+    )
 
 
 def test_tables_without_a_tools_column_read_it_as_null_and_keep_their_fingerprint(tmp_path):

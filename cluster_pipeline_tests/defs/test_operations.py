@@ -377,6 +377,79 @@ def _materialized_raw(data: Path, name: str):
         )
 
 
+def test_raw_instructions_counts_what_the_reader_did_not_keep_and_keeps_tools(tmp_path):
+    data = tmp_path / "data"
+    tools = json.dumps([{"name": "area", "parameters": {"type": "object"}}])
+    chats = [
+        {
+            "id": i,
+            "conversations": [
+                {"from": "human", "value": f"Area of square {i}?"},
+                {
+                    "from": "function_call",
+                    "value": f'{{"name": "area", "arguments": {{"s": {i}}}}}',
+                },
+                {"from": "observation", "value": str(i * i)},
+                {"from": "gpt", "value": f"{i * i}."},
+                {"from": "human", "value": "Thanks!"},  # after the last answer
+            ],
+            "tools": tools,
+        }
+        for i in range(3)
+    ]
+    write_jsonl(data / "raw" / "tools" / "glaive.jsonl", chats + tiny_records(5))
+    with _materialized_raw(data, "tools") as (instance, result):
+        assert result.success
+        m = meta(instance, "raw_instructions", "tools")
+        assert m["dropped_turns"] == {"after_last_assistant": 3}
+        assert m["dropped_fields"] == {"id": 3}
+        assert m["samples_with_tools"] == 3
+        table = read(instance, "raw_instructions", "tools")
+        with_tools = table.filter(pl.col("tools").is_not_null()).sort("source_line")
+        assert with_tools["source_line"].to_list() == [1, 2, 3]
+        assert json.loads(with_tools["tools"][0]) == [
+            {"type": "function", "function": json.loads(tools)[0]}
+        ]
+        assert [m["role"] for m in json.loads(with_tools["messages"][0])] == [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        pytest.param(
+            '{"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"}'
+            ', {"from": "gpt", "value": "A"}]}\n',
+            "{file}:2: the sharegpt record opens with an assistant turn (turn 0), before any user "
+            "turn: there is no question for it to answer, and chat templates render an answer "
+            "only after one. Remove the leading assistant turn(s), or put the user turn first.",
+            id="assistant_first",
+        ),
+        pytest.param(
+            '{"instruction": "Say hi \\ud800", "output": "hi"}\n',
+            "{file}:2:25: the string holds \\ud800, an unpaired UTF-16 surrogate that UTF-8 "
+            "cannot store (half of a character outside the Basic Multilingual Plane, such as an "
+            "emoji cut in two). Re-encode the file from its source, or replace the escape with "
+            "the whole character (a high surrogate \\ud800-\\udbff followed by a low one "
+            "\\udc00-\\udfff) or delete it.",
+            id="lone_surrogate",
+        ),
+    ],
+)
+def test_raw_instructions_refuses_bad_records_naming_file_and_line(tmp_path, content, message):
+    data = tmp_path / "data"
+    path = data / "raw" / "bad" / "a.jsonl"
+    write_jsonl(path, tiny_records(1))
+    path.write_text(path.read_text() + content)
+    with _materialized_raw(data, "bad") as (_, result):
+        assert not result.success
+        assert step_failure(result)[0] == "dataset 'bad': " + message.format(file=path)
+
+
 def test_raw_instructions_names_an_empty_file_beside_good_ones(tmp_path):
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "mixed" / "a.jsonl", tiny_records(4))
