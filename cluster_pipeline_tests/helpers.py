@@ -21,6 +21,12 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML that writes the function schemas first, as tool-calling templates (Qwen2.5, Llama 3.1)
+# do: a system block listing `tools` as JSON.
+CHATML_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}"
+    "{% endif %}" + CHATML
+)
 # Renders earlier assistant turns as a placeholder (as templates that strip reasoning do), so an
 # earlier turn is not where the generation prompt says it starts.
 FORGETFUL = (

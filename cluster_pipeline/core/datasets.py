@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from cluster_pipeline.core.formats import (
     SUPPORTED_SUFFIXES,
     Sample,
     data_files,
+    empty_file_reason,
     read_dataset_folder,
 )
 from cluster_pipeline.core.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
@@ -34,8 +36,10 @@ INSTRUCTION_SCHEMA = {
     "form": pl.String,
     "source_file": pl.String,
     "source_line": pl.Int64,
-    # The whole conversation (JSON list of {role, content}) when it has more than one exchange.
+    # The kept conversation (JSON list of {role, content}) unless the record was one exchange.
     "messages": pl.String,
+    # The function schemas (JSON list) the record gives the model; null when it has none.
+    "tools": pl.String,
 }
 
 
@@ -57,36 +61,58 @@ def dataset_name_problem(name: str) -> str | None:
     return None
 
 
+def _folder_problem(folder: Path) -> str | None:
+    """Why a visible folder holds no dataset, or None: no data file, or every data file holds
+    no record (:func:`~cluster_pipeline.core.formats.empty_file_reason`; the check stops at the
+    first file that may hold one)."""
+    files = data_files(folder)
+    if not files:
+        return (
+            f"{folder} holds no {', '.join(SUPPORTED_SUFFIXES)} file (eval.json and fields.json "
+            "are settings, not data); put the dataset's files there"
+        )
+    empty = []
+    for path in files:
+        reason = empty_file_reason(path)
+        if reason is None:
+            return None
+        empty.append(f"{path.relative_to(folder)} ({reason})")
+    shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    return f"every data file in {folder} holds no records: {shown}; put the dataset's records there"
+
+
 def _data_folders(raw_dir: Path) -> list[Path]:
     if not raw_dir.is_dir():
         return []
-    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and data_files(c)]
+    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and _folder_problem(c) is None]
 
 
 def discover_datasets(raw_dir: Path) -> list[str]:
     """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
-    that holds at least one data file (an ``eval.json`` alone does not count) and whose name
-    can be a partition key (:func:`dataset_name_problem`). Sorted, built-in first."""
+    that holds at least one data file with records (an ``eval.json`` alone, or files that are
+    empty or whitespace, do not count) and whose name can be a partition key
+    (:func:`dataset_name_problem`). Sorted, built-in first."""
     names = [c.name for c in _data_folders(raw_dir) if dataset_name_problem(c.name) is None]
     return [STDLIB_DATASET, *names]
 
 
 def refused_datasets(raw_dir: Path) -> dict[str, str]:
-    """Folders under ``raw_dir`` that are not partitions, with the reason: data files under a
-    name that cannot be a partition key, or a (visible) folder without data files."""
+    """Folders under ``raw_dir`` that are not partitions, with the reason: data under a name
+    that cannot be a partition key, or a (visible) folder without data files or whose data
+    files all hold no record."""
     out = {}
-    for c in _data_folders(raw_dir):
-        reason = dataset_name_problem(c.name)
-        if reason is not None:
-            out[c.name] = reason
-    if raw_dir.is_dir():
-        files = ", ".join(SUPPORTED_SUFFIXES)
-        for c in sorted(raw_dir.iterdir()):
-            if c.is_dir() and not c.name.startswith(".") and not data_files(c):
-                out[c.name] = (
-                    f"{c} holds no {files} file (eval.json and fields.json are settings, not "
-                    "data); put the dataset's files there"
-                )
+    if not raw_dir.is_dir():
+        return out
+    for c in sorted(raw_dir.iterdir()):
+        if not c.is_dir():
+            continue
+        problem = _folder_problem(c)
+        if problem is None:
+            problem = dataset_name_problem(c.name)
+        elif c.name.startswith("."):
+            continue  # a hidden folder without data is nobody's dataset
+        if problem is not None:
+            out[c.name] = problem
     return dict(sorted(out.items()))
 
 
@@ -111,7 +137,10 @@ def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
 @dataclass(frozen=True)
 class SplitStats:
     """Counts of one ``raw_instructions`` build; ``records_per_file`` maps each source file
-    (relative to the dataset folder where possible) to the records read from it."""
+    (relative to the dataset folder where possible) to the records read from it.
+    ``dropped_turns`` (turns, by reason) and ``dropped_fields`` (occurrences, by field name)
+    sum :attr:`Sample.dropped_turns` / :attr:`Sample.dropped_fields` over every record read,
+    duplicates included: what the reader did not keep."""
 
     records: int
     duplicates: int
@@ -119,6 +148,8 @@ class SplitStats:
     heldout: int
     train_available: int
     records_per_file: dict[str, int] = field(default_factory=dict)
+    dropped_turns: dict[str, int] = field(default_factory=dict)
+    dropped_fields: dict[str, int] = field(default_factory=dict)
 
 
 def _order_key(seed: int, sid: str) -> str:
@@ -150,9 +181,13 @@ def build_instruction_table(
     rows: dict[str, Sample] = {}
     records = 0
     per_file: dict[str, int] = {}
+    turns: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
     for s in samples:
         records += 1
         per_file[s.source_file] = per_file.get(s.source_file, 0) + 1
+        turns.update(s.dropped_turns)
+        fields.update(s.dropped_fields)
         rows.setdefault(s.sample_id, s)
     n = len(rows)
     if n == 0:
@@ -179,10 +214,20 @@ def build_instruction_table(
             "source_file": [s.source_file for _, s in kept],
             "source_line": [s.source_line for _, s in kept],
             "messages": [s.messages for _, s in kept],
+            "tools": [s.tools for _, s in kept],
         },
         schema=INSTRUCTION_SCHEMA,
     )
-    stats = SplitStats(records, records - n, n_train, n_heldout, train_available, per_file)
+    stats = SplitStats(
+        records,
+        records - n,
+        n_train,
+        n_heldout,
+        train_available,
+        per_file,
+        dict(sorted(turns.items())),
+        dict(sorted(fields.items())),
+    )
     return frame, stats
 
 
@@ -208,18 +253,28 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# Columns added after the first tables were written; older versions read them as null (single
+# exchanges, no tools).
+_LATER_COLUMNS = ("messages", "tools")
+
+
 def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFrame:
     """``columns`` of a ``raw_instructions`` table version. Versions written before the
-    ``messages`` column existed read it as null (single exchanges)."""
+    ``messages`` or ``tools`` column existed read it as null."""
     scan = pl.scan_delta(uri, version=version)
     have = set(scan.collect_schema().names())
-    frame = scan.select([c for c in columns if c in have]).collect()
-    if "messages" in columns and "messages" not in have:
-        frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias("messages"))
-    return frame.select(columns)
+    missing = [c for c in _LATER_COLUMNS if c in columns and c not in have]
+    return (
+        scan.with_columns([pl.lit(None, dtype=pl.String).alias(c) for c in missing])
+        .select(columns)
+        .collect()
+    )
 
 
-TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages"]
+# What a sample is rendered from (tokenization.encode_rows).
+TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages", "tools"]
+# ... plus where it came from, so an error rendering it names its source file and line.
+EMBEDDING_COLUMNS = [*TRAINING_COLUMNS, "source_file", "source_line"]
 
 
 def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
@@ -233,4 +288,5 @@ def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
         .filter(pl.col("sample_id").is_in(sorted(sample_ids)))
         .sort("sample_id")
     )
-    return stable_hash(rows.rows())
+    # A sample without tools hashes as it did before the tools column existed.
+    return stable_hash([row[:-1] if row[-1] is None else row for row in rows.rows()])

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.core import plots
+from cluster_pipeline.core import json_text, plots
 from cluster_pipeline.core.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
 from cluster_pipeline.core.checkpoints import TRAINING_INFO, Checkpoint
 from cluster_pipeline.core.evaluation import BENCHMARKS, ItemScores, lower_is_better
@@ -39,16 +39,20 @@ def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
     python_stdlib), else none (held-out loss only).
 
     Raises:
-        ValueError: eval.json is not such an object, or names an unknown benchmark.
+        ValueError: eval.json is not strict JSON (:class:`~cluster_pipeline.core.json_text.
+            JsonTextError`, at ``file:line:column``), not such an object, or names an unknown
+            benchmark.
     """
     path = raw_dir / dataset / EVAL_CONFIG_NAME
     if path.exists():
-        try:
-            names = tuple(json.loads(path.read_text()).get("benchmarks", ()))
-        except (ValueError, AttributeError) as e:
+        value = json_text.load(path, 'Write one JSON object like {"benchmarks": ["mmlu_medical"]}.')
+        listed = value.get("benchmarks", []) if isinstance(value, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
             raise ValueError(
-                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}} ({e})'
-            ) from None
+                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}}, got '
+                f"{json.dumps(value, ensure_ascii=False)[:120]}"
+            )
+        names = tuple(listed)
         unknown = set(names) - set(BENCHMARKS)
         if unknown:
             raise ValueError(

@@ -16,6 +16,13 @@ EOS, all trained, with or without a template. Which assistant turns are trained 
 markers are never trained. Context and trained spans are tokenized separately and concatenated,
 so the label mask is exact.
 
+**Tools.** A sample's function schemas (the ``tools`` column) are passed to
+``apply_chat_template(..., tools=...)`` (transformers' API; TRL's SFTTrainer does the same) in
+every rendering, so they are context and never trained. A template that ignores them (its
+output is the same with and without them, e.g. SmolLM2's) or raises on them is a
+:class:`ChatTemplateError`: the model would otherwise learn calls to functions it never sees.
+Without a template the schemas are written as JSON after the system message.
+
 **Special-token text.** Message content is plain text: when a message holds the text of one of
 the tokenizer's added tokens (``<|im_end|>``, ``<|endoftext|>``, ...), the content is tokenized
 with ``split_special_tokens=True``, so only the template's own markers become special ids (the
@@ -46,6 +53,7 @@ message leave no room (``prompt_too_long``).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -186,24 +194,39 @@ def _trained(messages: list[dict], response_turns: str) -> list[int]:
     return turns[-1:] if response_turns == "last" else turns
 
 
-def _render(tokenizer, messages: list[dict], **kwargs) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
     except Exception as e:  # jinja2 TemplateError, or a template raising on a role
         roles = [m["role"] for m in messages]
+        what = f"roles {roles}" + (" with tools" if tools else "")
         raise ChatTemplateError(
-            f"the chat template cannot render roles {roles}: {e}. Use a model whose template "
+            f"the chat template cannot render {what}: {e}. Use a model whose template "
             "accepts these turns, or map the tool turns away."
         ) from e
 
 
-def _template_spans(tokenizer, messages: list[dict], trained: list[int]) -> tuple[str, list]:
+def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None) -> None:
+    """Refuse tools the chat template does not write: rendered with and without them, the
+    conversation must differ (else the model would learn calls to functions it never sees)."""
+    if tools and _render(tokenizer, messages, tools) == _render(tokenizer, messages):
+        raise ChatTemplateError(
+            "the chat template does not render tools (its output is the same with and without "
+            "the sample's function schemas), so the model would learn calls to functions it "
+            "never sees. Use a base model whose chat template writes `tools` (e.g. Qwen2.5 or "
+            "Llama 3.1 Instruct), or remove the `tools` field from these records."
+        )
+
+
+def _template_spans(
+    tokenizer, messages: list[dict], trained: list[int], tools: list[dict] | None = None
+) -> tuple[str, list]:
     """The rendered conversation and the (start, end) character span of each trained turn."""
-    full = _render(tokenizer, messages)
+    full = _render(tokenizer, messages, tools)
     spans = []
     for j in trained:
-        before = _render(tokenizer, messages[:j], add_generation_prompt=True)
-        through = full if j == len(messages) - 1 else _render(tokenizer, messages[: j + 1])
+        before = _render(tokenizer, messages[:j], tools, add_generation_prompt=True)
+        through = full if j == len(messages) - 1 else _render(tokenizer, messages[: j + 1], tools)
         if not (through.startswith(before) and full.startswith(through)):
             raise ChatTemplateError(
                 f"the chat template does not render assistant turn {j} after the turns before "
@@ -231,11 +254,13 @@ def _placeholder(i: int) -> str:
     return f"\ue000{i}\ue001"
 
 
-def _plain_content_pieces(tokenizer, messages: list[dict], trained: list[int]) -> list[Piece]:
+def _plain_content_pieces(
+    tokenizer, messages: list[dict], trained: list[int], tools: list[dict] | None
+) -> list[Piece]:
     """Pieces with each message's content as its own ``plain`` piece: the template is rendered
     with placeholders in place of the contents, which are then put back."""
     masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(messages)]
-    full, spans = _template_spans(tokenizer, masked, trained)
+    full, spans = _template_spans(tokenizer, masked, trained, tools)
     pieces: list[Piece] = []
     for piece in _split(full, spans):
         rest = piece.text
@@ -250,7 +275,7 @@ def _plain_content_pieces(tokenizer, messages: list[dict], trained: list[int]) -
             index = int(rest[start + 1 : stop])
             pieces.append(Piece(messages[index]["content"], piece.label, plain=True))
             rest = rest[stop + 1 :]
-    if "".join(p.text for p in pieces) != _render(tokenizer, messages):
+    if "".join(p.text for p in pieces) != _render(tokenizer, messages, tools):
         raise ChatTemplateError(
             "a message holds special-token text and the chat template changes message content "
             "(e.g. trims it), so that text cannot be kept as plain text. Remove the special-"
@@ -259,13 +284,17 @@ def _plain_content_pieces(tokenizer, messages: list[dict], trained: list[int]) -
     return pieces
 
 
-def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") -> list[Piece]:
+def render_pieces(
+    tokenizer, messages: list[dict], response_turns: str = "all", tools: list[dict] | None = None
+) -> list[Piece]:
     """The conversation as context and trained pieces (module docstring), without the
-    :func:`sequence_start` ids.
+    :func:`sequence_start` ids. ``tools`` (function schemas) go to the chat template's
+    ``tools``; without a template they are written as JSON after the system message.
 
     Raises:
-        ChatTemplateError: the template cannot render the turns, or an assistant turn cannot be
-            located (message names the turn and what to do).
+        ChatTemplateError: the template cannot render the turns or the tools (it ignores
+            them), or an assistant turn cannot be located (message names the turn and what to
+            do).
     """
     if not any(m["role"] in ("user", "tool") for m in messages):  # plain text
         text = "\n\n".join(m["content"] for m in messages)
@@ -273,10 +302,11 @@ def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") 
         return [Piece(text, True, plain=True, end_ids=eos)]
     trained = _trained(messages, response_turns)
     if getattr(tokenizer, "chat_template", None):
+        _check_tools_rendered(tokenizer, messages, tools)
         specials = _special_texts(tokenizer)
         if any(t in m["content"] for m in messages for t in specials):
-            return _plain_content_pieces(tokenizer, messages, trained)
-        return _split(*_template_spans(tokenizer, messages, trained))
+            return _plain_content_pieces(tokenizer, messages, trained, tools)
+        return _split(*_template_spans(tokenizer, messages, trained, tools))
     eos = _eos(tokenizer)
     pieces = []
     for i, m in enumerate(messages):
@@ -286,6 +316,9 @@ def render_pieces(tokenizer, messages: list[dict], response_turns: str = "all") 
             pieces.append(Piece(m["content"], i in trained, plain=True, end_ids=eos))
         else:
             pieces.append(Piece(f"{m['content']}\n", False, plain=True))
+    if tools:
+        head = sum(m["role"] == "system" for m in messages[:1])
+        pieces.insert(head, Piece(f"{json.dumps(tools, ensure_ascii=False)}\n\n", False, True))
     return pieces
 
 
@@ -347,8 +380,8 @@ def _drop_start(tokenizer, content: str, n_tokens: int) -> str:
     return content[offsets[n_tokens][0] :]
 
 
-def _encode(tokenizer, messages, response_turns):
-    pieces = render_pieces(tokenizer, messages, response_turns)
+def _encode(tokenizer, messages, response_turns, tools=None):
+    pieces = render_pieces(tokenizer, messages, response_turns, tools)
     ids, flags = _tokenize(tokenizer, pieces)
     return ids, flags, _first_label(flags)
 
@@ -359,10 +392,12 @@ def encode_conversation(
     max_length: int,
     truncation: str = "left",
     response_turns: str = "all",
+    tools: list[dict] | None = None,
 ) -> EncodedSample:
     """Token ids and labels of one conversation (module docstring: rendering, special-token
     text, truncation). ``messages`` is a list of ``{"role", "content"}`` with roles system,
-    user, assistant, tool.
+    user, assistant, tool; ``tools`` the function schemas the template is given (context,
+    never trained).
 
     Raises:
         ValueError: ``max_length < 2`` or an unknown ``truncation``/``response_turns``.
@@ -377,7 +412,7 @@ def encode_conversation(
     trained = _trained(messages, response_turns)
     if not any(messages[i]["content"].strip() for i in trained):
         return EncodedSample([], [], 0, False, SKIP_EMPTY_RESPONSE)
-    ids, flags, first = _encode(tokenizer, messages, response_turns)
+    ids, flags, first = _encode(tokenizer, messages, response_turns, tools)
     prompt_cut = 0
     if len(ids) > max_length and truncation != "skip" and first > 0:
         budget = _prompt_budget(truncation, first, len(ids) - first, max_length)
@@ -393,7 +428,7 @@ def encode_conversation(
                 content = short[i]["content"]
                 shorter = _drop_start(tokenizer, content, s_first - budget)
                 short[i]["content"] = shorter if shorter != content else content[1:]
-                s_ids, s_flags, s_first = _encode(tokenizer, short, response_turns)
+                s_ids, s_flags, s_first = _encode(tokenizer, short, response_turns, tools)
             if s_first <= budget:
                 break
         if s_first <= budget:
@@ -440,9 +475,10 @@ def encode_sample(
     truncation: str = "left",
     response_turns: str = "all",
     messages: str | None = None,
+    tools: str | None = None,
 ) -> EncodedSample:
     """:func:`encode_conversation` of a table row (columns system, prompt, response,
-    messages; :func:`cluster_pipeline.core.formats.conversation`)."""
+    messages, tools; :func:`cluster_pipeline.core.formats.conversation`)."""
     from cluster_pipeline.core.formats import conversation
 
     return encode_conversation(
@@ -451,21 +487,27 @@ def encode_sample(
         max_length,
         truncation,
         response_turns,
+        json.loads(tools) if tools else None,
     )
 
 
 def encode_rows(tokenizer, frame, settings: SequenceSettings) -> list[EncodedSample]:
     """:func:`encode_sample` of every row of a table with columns system, prompt, response and
-    (optionally) sample_id and messages, under ``settings``.
+    (optionally) sample_id, messages, tools, source_file and source_line, under ``settings``.
 
     Raises:
-        ChatTemplateError: naming the sample_id whose conversation the template cannot split.
+        ChatTemplateError: naming the sample_id (and its ``file:line`` when the frame has the
+            source columns) whose conversation the template cannot render or split.
     """
-    messages = frame["messages"] if "messages" in frame.columns else [None] * frame.height
-    ids = frame["sample_id"] if "sample_id" in frame.columns else range(frame.height)
+    n = frame.height
+    columns = frame.columns
+    messages = frame["messages"] if "messages" in columns else [None] * n
+    tools = frame["tools"] if "tools" in columns else [None] * n
+    ids = frame["sample_id"] if "sample_id" in columns else range(n)
+    has_source = "source_file" in columns and "source_line" in columns
     out = []
-    for sid, s, p, r, m in zip(
-        ids, frame["system"], frame["prompt"], frame["response"], messages, strict=True
+    for row, (sid, s, p, r, m, t) in enumerate(
+        zip(ids, frame["system"], frame["prompt"], frame["response"], messages, tools, strict=True)
     ):
         try:
             out.append(
@@ -478,10 +520,14 @@ def encode_rows(tokenizer, frame, settings: SequenceSettings) -> list[EncodedSam
                     settings.truncation,
                     settings.response_turns,
                     m,
+                    t,
                 )
             )
         except ChatTemplateError as e:
-            raise ChatTemplateError(f"sample {sid}: {e}") from e
+            where = (
+                f" ({frame['source_file'][row]}:{frame['source_line'][row]})" if has_source else ""
+            )
+            raise ChatTemplateError(f"sample {sid}{where}: {e}") from e
     return out
 
 

@@ -120,6 +120,12 @@ class RawInstructionsRecord(ChainRecord):
     benchmarks: list[str]
     mean_response_chars: float
     records_per_file: dict[str, int] = field(default_factory=dict)
+    # What the reader did not keep (core/formats.py, chat rules): turns by reason, and non-null
+    # fields no form reads by name (occurrences), over every record read.
+    dropped_turns: dict[str, int] = field(default_factory=dict)
+    dropped_fields: dict[str, int] = field(default_factory=dict)
+    # Rows whose `tools` column holds function schemas.
+    samples_with_tools: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

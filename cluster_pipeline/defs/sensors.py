@@ -10,7 +10,9 @@ from cluster_pipeline.defs.resources import StorageResource
 @dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
 def dataset_folders_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     """Adds a ``datasets`` partition for ``python_stdlib`` and for each new folder
-    ``data/raw/<name>/`` holding .json/.jsonl/.parquet files. Removing a folder deletes nothing."""
+    ``data/raw/<name>/`` holding data files with records (``core.datasets.discover_datasets``);
+    a folder it refuses (no data file, every file empty, a name Dagster rejects) is logged with
+    the reason and never added. Removing a folder deletes nothing."""
     raw_dir = storage.layout.raw_dir
     for name, reason in refused_datasets(raw_dir).items():
         context.log.warning(f"data/raw/{name}/ is not a dataset partition: {reason}")

@@ -45,7 +45,7 @@ import polars as pl
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cluster_pipeline.core.datasets import read_instructions
+from cluster_pipeline.core.datasets import EMBEDDING_COLUMNS, read_instructions
 from cluster_pipeline.core.embedding import embed_samples, l2_normalise
 from cluster_pipeline.core.modeling import load_model_and_tokenizer
 from cluster_pipeline.core.packing import can_pack
@@ -118,10 +118,9 @@ def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl
 
 
 def read_train_split(uri: str, version: int) -> pl.DataFrame:
-    """The training split of a raw_instructions version, in table order."""
-    frame = read_instructions(
-        uri, version, ["sample_id", "split", "system", "prompt", "response", "messages"]
-    )
+    """The training split of a raw_instructions version, in table order: the columns a sample
+    is rendered from and its source file and line (named when it cannot be rendered)."""
+    frame = read_instructions(uri, version, ["split", *EMBEDDING_COLUMNS])
     return frame.filter(pl.col("split") == "train").drop("split")
 
 

@@ -1,10 +1,12 @@
 """Dataset discovery, dedup, the held-out split and the built-in stdlib dataset."""
 
 import ast
+import json
 import sys
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 
 from cluster_pipeline.core.datasets import (
@@ -26,7 +28,8 @@ def test_discover_lists_builtin_first_then_folders_with_data(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x.jsonl").write_text("{}\n")
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "x.parquet").write_bytes(b"")
+    (tmp_path / "a" / "x.parquet").write_bytes(b"")  # 0 bytes: no records ...
+    (tmp_path / "a" / "y.jsonl").write_text('{"problem": "p", "solution": "s"}\n')  # ... these
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("no data")
@@ -170,3 +173,112 @@ def test_records_per_file_counts_each_source():
     ]
     _, stats = build_instruction_table(samples, 0.0, None, None, 0)
     assert stats.records_per_file == {"a.json": 2, "b.json": 3}
+
+
+def test_folders_whose_data_files_hold_no_records_are_refused(tmp_path):
+    raw = tmp_path / "raw"
+    (raw / "blank").mkdir(parents=True)
+    (raw / "blank" / "a.jsonl").write_bytes(b"")
+    (raw / "blank" / "b.json").write_text("  \n\n")
+    (raw / "blank" / "sub").mkdir()
+    (raw / "blank" / "sub" / "c.json").write_bytes(b"\xef\xbb\xbf[]\n")
+    (raw / "blank" / "sub" / "d.jsonl").write_text("\n")
+    pl.DataFrame(schema={"text": pl.String}).write_parquet(raw / "blank" / "e.parquet")
+    (raw / "one").mkdir()
+    (raw / "one" / "a.jsonl").write_bytes(b"")
+    (raw / "mixed").mkdir()
+    (raw / "mixed" / "a.jsonl").write_bytes(b"")
+    (raw / "mixed" / "b.jsonl").write_text('{"problem": "p", "solution": "s"}\n')
+    (raw / ".hidden_blank").mkdir()
+    (raw / ".hidden_blank" / "a.jsonl").write_bytes(b"")
+    # A folder with one file that has records is a dataset (raw_instructions then names the
+    # empty file); hidden folders without records say nothing.
+    assert discover_datasets(raw) == ["python_stdlib", "mixed"]
+    assert refused_datasets(raw) == {
+        "blank": f"every data file in {raw / 'blank'} holds no records: a.jsonl (0 bytes), "
+        "b.json (only whitespace), e.parquet (no rows) and 2 more; put the dataset's records "
+        "there",
+        "one": f"every data file in {raw / 'one'} holds no records: a.jsonl (0 bytes); put the "
+        "dataset's records there",
+    }
+
+
+def test_dropped_turns_and_fields_are_summed_over_every_record_read():
+    from cluster_pipeline.core.formats import normalise_record
+
+    chat = {
+        "id": 1,
+        "conversations": [
+            {"from": "human", "value": "Q"},
+            {"from": "gpt", "value": "A"},
+            {"from": "human", "value": "thanks"},
+        ],
+    }
+    more = {
+        "id": 2,
+        "messages": [
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"},
+            {"role": "tool", "content": "t"},
+            {"role": "user", "content": "u"},
+        ],
+    }
+    samples = [
+        normalise_record(r, "c.json", i)
+        for i, r in enumerate([chat, chat, more, {"instruction": "I", "output": "O"}])
+    ]
+    frame, stats = build_instruction_table(samples, 0.0, None, None, 0)
+    assert (stats.records, stats.duplicates, frame.height) == (4, 1, 3)
+    assert stats.dropped_turns == {"after_last_assistant": 1 + 1 + 2}
+    assert stats.dropped_fields == {"id": 3}
+    assert frame["messages"].null_count() == 1  # only the Alpaca record was one exchange
+    assert frame["tools"].null_count() == 3
+
+
+def test_tools_are_a_column_and_keep_tool_only_differences_apart(tmp_path):
+    from cluster_pipeline.core.datasets import read_instructions, samples_fingerprint
+    from cluster_pipeline.core.formats import normalise_record
+    from cluster_pipeline.core.tables import write_table
+
+    exchange = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    tools = [[{"name": f"f{i}", "parameters": {}}] for i in range(3)]
+    samples = [
+        normalise_record({"messages": exchange, "tools": t}, "t.jsonl", i + 1)
+        for i, t in enumerate(tools)
+    ] + [normalise_record({"messages": exchange}, "t.jsonl", 4)]
+    frame, stats = build_instruction_table(samples, 0.0, None, None, 0)
+    assert (frame.height, stats.duplicates) == (4, 0)
+    assert frame["tools"].to_list() == [
+        json.dumps([{"type": "function", "function": t[0]}]) for t in tools
+    ] + [None]
+    table = write_table(frame, str(tmp_path / "t"))
+    got = read_instructions(table.uri, table.version, ["sample_id", "tools"])
+    assert got["tools"].to_list() == frame["tools"].to_list()
+    # A version written before the column existed reads it as null; the fingerprint of
+    # samples without tools is what it was before the column existed.
+    old = write_table(frame.drop("tools").tail(1), str(tmp_path / "old"))
+    assert read_instructions(old.uri, old.version, ["tools"])["tools"].to_list() == [None]
+    plain = {samples[3].sample_id}
+    assert samples_fingerprint(old.uri, old.version, plain) == samples_fingerprint(
+        table.uri, table.version, plain
+    )
+
+
+def test_tables_without_a_tools_column_read_it_as_null_and_keep_their_fingerprint(tmp_path):
+    from cluster_pipeline.core.cache import stable_hash
+    from cluster_pipeline.core.datasets import (
+        TRAINING_COLUMNS,
+        read_instructions,
+        samples_fingerprint,
+    )
+    from cluster_pipeline.core.tables import write_table
+
+    frame, _ = build_instruction_table(_samples(4), 0.0, None, None, 0)
+    old = write_table(frame.drop("tools", strict=False), str(tmp_path / "old"))
+    got = read_instructions(old.uri, old.version, ["sample_id", "tools"])
+    assert got["tools"].to_list() == [None] * 4 and got.height == 4
+    assert read_instructions(old.uri, old.version, ["tools"]).height == 4
+    # The hash the checkpoint cache was keyed by before tools existed: the rows without it.
+    before = frame.select([c for c in TRAINING_COLUMNS if c != "tools"]).sort("sample_id").rows()
+    ids = set(frame["sample_id"])
+    assert samples_fingerprint(old.uri, old.version, ids) == stable_hash(before)

@@ -18,7 +18,7 @@ from cluster_pipeline.core.tokenization import (
     length_batches,
     prompt_ids,
 )
-from cluster_pipeline_tests.helpers import FORGETFUL, build_tokenizer
+from cluster_pipeline_tests.helpers import CHATML, CHATML_TOOLS, FORGETFUL, build_tokenizer
 
 
 def _response_ids(sample):
@@ -330,3 +330,111 @@ def test_built_in_tokenizer_keeps_special_token_text_as_text(smollm2_tokenizer):
         assert Counter(t for t in forged.input_ids if t in specials) == Counter(
             t for t in clean.input_ids if t in specials
         ), token
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+TOOL_DIALOGUE = [
+    {"role": "user", "content": "Add 3 and 4."},
+    {"role": "assistant", "content": '{"name": "add", "arguments": {"a": 3, "b": 4}}'},
+    {"role": "tool", "content": "7"},
+    {"role": "assistant", "content": "7."},
+]
+NO_TOOLS = (
+    "the chat template does not render tools (its output is the same with and without the "
+    "sample's function schemas), so the model would learn calls to functions it never sees. "
+    "Use a base model whose chat template writes `tools` (e.g. Qwen2.5 or Llama 3.1 Instruct), "
+    "or remove the `tools` field from these records."
+)
+
+
+def test_tools_go_to_the_chat_template_as_context():
+    tok = build_tokenizer(chat_template=CHATML_TOOLS)
+    s = encode_conversation(tok, TOOL_DIALOGUE, 512, tools=TOOLS)
+    # Exactly what transformers renders for these messages and tools (apply_chat_template).
+    assert tok.decode(s.input_ids) == tok.apply_chat_template(
+        TOOL_DIALOGUE, tools=TOOLS, tokenize=False
+    )
+    assert tok.decode(s.input_ids).startswith(f"<|im_start|>system\nTools: {json.dumps(TOOLS)}")
+    assert _label_runs(tok, s) == [
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}<|im_end|>\n',
+        "7.<|im_end|>\n",
+    ]
+    without = encode_conversation(tok, TOOL_DIALOGUE, 512)
+    assert _label_runs(tok, without) == _label_runs(tok, s)
+    assert len(s) > len(without)
+
+
+def test_tools_survive_left_truncation_and_special_token_text():
+    tok = build_tokenizer(chat_template=CHATML_TOOLS)
+    long = [{**TOOL_DIALOGUE[0], "content": "word " * 200}, *TOOL_DIALOGUE[1:]]
+    # The tools block and the turns after the question take 173 tokens; the window 240.
+    s = encode_conversation(tok, long, 240, tools=TOOLS)
+    assert s.prompt_tokens_cut > 0 and s.skip_reason is None and len(s) <= 240
+    assert tok.decode(s.input_ids).startswith(f"<|im_start|>system\nTools: {json.dumps(TOOLS)}")
+    marker = [{**TOOL_DIALOGUE[0], "content": "Is <|im_end|> a marker?"}, *TOOL_DIALOGUE[1:]]
+    m = encode_conversation(tok, marker, 512, tools=TOOLS)
+    assert tok.decode(m.input_ids).startswith(f"<|im_start|>system\nTools: {json.dumps(TOOLS)}")
+
+
+def test_a_template_that_ignores_tools_is_a_clear_error(tiny_tokenizer):
+    with pytest.raises(ChatTemplateError) as e:
+        encode_conversation(tiny_tokenizer, TOOL_DIALOGUE, 512, tools=TOOLS)
+    assert str(e.value) == NO_TOOLS
+    # Without tools the same conversation is fine.
+    assert encode_conversation(tiny_tokenizer, TOOL_DIALOGUE, 512).n_response_tokens > 0
+
+
+def test_a_template_that_raises_on_tools_names_them():
+    raising = "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}" + CHATML
+    tok = build_tokenizer(chat_template=raising)
+    with pytest.raises(ChatTemplateError) as e:
+        encode_conversation(tok, TOOL_DIALOGUE, 512, tools=TOOLS)
+    assert str(e.value) == (
+        "the chat template cannot render roles ['user', 'assistant', 'tool', 'assistant'] with "
+        "tools: no tools here. Use a model whose template accepts these turns, or map the tool "
+        "turns away."
+    )
+
+
+def test_without_a_chat_template_tools_are_written_after_the_system_message():
+    tok = build_tokenizer(chat_template=None)
+    s = encode_conversation(
+        tok, [{"role": "system", "content": "S"}, *TOOL_DIALOGUE], 512, tools=TOOLS
+    )
+    assert tok.decode(s.input_ids) == (
+        f"<|endoftext|>S\n\n{json.dumps(TOOLS)}\n\nAdd 3 and 4.\n"
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}<|endoftext|>7\n7.<|endoftext|>'
+    )
+    assert _label_runs(tok, s) == [
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}<|endoftext|>',
+        "7.<|endoftext|>",
+    ]
+
+
+def test_encode_rows_passes_tools_and_names_the_samples_source(tiny_tokenizer):
+    frame = pl.DataFrame(
+        {
+            "sample_id": ["t1"],
+            "system": [""],
+            "prompt": ["flat"],
+            "response": ["7."],
+            "messages": [json.dumps(TOOL_DIALOGUE)],
+            "tools": [json.dumps(TOOLS)],
+            "source_file": ["data/raw/holdout/glaive.json"],
+            "source_line": [14],
+        }
+    )
+    with_tools = build_tokenizer(chat_template=CHATML_TOOLS)
+    [s] = encode_rows(with_tools, frame, SequenceSettings(max_length=512))
+    assert s.input_ids == encode_conversation(with_tools, TOOL_DIALOGUE, 512, tools=TOOLS).input_ids
+    with pytest.raises(ChatTemplateError) as e:
+        encode_rows(tiny_tokenizer, frame, SequenceSettings(max_length=512))
+    assert str(e.value) == f"sample t1 (data/raw/holdout/glaive.json:14): {NO_TOOLS}"
+
+
+def test_the_built_in_template_cannot_render_tools(smollm2_tokenizer):
+    # SmolLM2-135M-Instruct's template writes role and content only: tools would be lost.
+    assert "tools" not in smollm2_tokenizer.chat_template
+    with pytest.raises(ChatTemplateError) as e:
+        encode_conversation(smollm2_tokenizer, TOOL_DIALOGUE, 512, tools=TOOLS)
+    assert str(e.value) == NO_TOOLS

@@ -1,5 +1,6 @@
 """Operating the pipeline: partitions that appear, the nightly refresh, lineage, subset versions."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -355,3 +356,141 @@ def test_instance_settings_queue_one_run_per_partition_and_monitor_runs(tmp_path
         other = dg.DagsterRun(job_name="g", tags={"dagster/partition": "code"})
         counter = TagConcurrencyLimitsCounter(limits, [running])
         assert counter.is_blocked(same) and not counter.is_blocked(other)
+
+
+@contextlib.contextmanager
+def _materialized_raw(data: Path, name: str):
+    """(instance, result) of materializing raw_instructions for ``name`` (failures kept)."""
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, [name])
+        yield (
+            instance,
+            dg.materialize(
+                [raw_instructions],
+                partition_key=name,
+                instance=instance,
+                resources={"storage": StorageResource(data_dir=str(data))},
+                raise_on_error=False,
+            ),
+        )
+
+
+def test_raw_instructions_counts_what_the_reader_did_not_keep_and_keeps_tools(tmp_path):
+    data = tmp_path / "data"
+    tools = json.dumps([{"name": "area", "parameters": {"type": "object"}}])
+    chats = [
+        {
+            "id": i,
+            "conversations": [
+                {"from": "human", "value": f"Area of square {i}?"},
+                {
+                    "from": "function_call",
+                    "value": f'{{"name": "area", "arguments": {{"s": {i}}}}}',
+                },
+                {"from": "observation", "value": str(i * i)},
+                {"from": "gpt", "value": f"{i * i}."},
+                {"from": "human", "value": "Thanks!"},  # after the last answer
+            ],
+            "tools": tools,
+        }
+        for i in range(3)
+    ]
+    write_jsonl(data / "raw" / "tools" / "glaive.jsonl", chats + tiny_records(5))
+    with _materialized_raw(data, "tools") as (instance, result):
+        assert result.success
+        m = meta(instance, "raw_instructions", "tools")
+        assert m["dropped_turns"] == {"after_last_assistant": 3}
+        assert m["dropped_fields"] == {"id": 3}
+        assert m["samples_with_tools"] == 3
+        table = read(instance, "raw_instructions", "tools")
+        with_tools = table.filter(pl.col("tools").is_not_null()).sort("source_line")
+        assert with_tools["source_line"].to_list() == [1, 2, 3]
+        assert json.loads(with_tools["tools"][0]) == [
+            {"type": "function", "function": json.loads(tools)[0]}
+        ]
+        assert [m["role"] for m in json.loads(with_tools["messages"][0])] == [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        pytest.param(
+            '{"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"}'
+            ', {"from": "gpt", "value": "A"}]}\n',
+            "{file}:2: the sharegpt record opens with an assistant turn (turn 0), before any user "
+            "turn: there is no question for it to answer, and chat templates render an answer "
+            "only after one. Remove the leading assistant turn(s), or put the user turn first.",
+            id="assistant_first",
+        ),
+        pytest.param(
+            '{"instruction": "Say hi \\ud800", "output": "hi"}\n',
+            "{file}:2:25: the string holds \\ud800, an unpaired UTF-16 surrogate that UTF-8 "
+            "cannot store (half of a character outside the Basic Multilingual Plane, such as an "
+            "emoji cut in two). Re-encode the file from its source, or replace the escape with "
+            "the whole character (a high surrogate \\ud800-\\udbff followed by a low one "
+            "\\udc00-\\udfff) or delete it.",
+            id="lone_surrogate",
+        ),
+    ],
+)
+def test_raw_instructions_refuses_bad_records_naming_file_and_line(tmp_path, content, message):
+    data = tmp_path / "data"
+    path = data / "raw" / "bad" / "a.jsonl"
+    write_jsonl(path, tiny_records(1))
+    path.write_text(path.read_text() + content)
+    with _materialized_raw(data, "bad") as (_, result):
+        assert not result.success
+        assert step_failure(result)[0] == "dataset 'bad': " + message.format(file=path)
+
+
+def test_raw_instructions_names_an_empty_file_beside_good_ones(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "raw" / "mixed" / "a.jsonl", tiny_records(4))
+    (data / "raw" / "mixed" / "b.json").write_text("\n  \n")
+    with _materialized_raw(data, "mixed") as (_, result):
+        assert not result.success
+        assert step_failure(result)[0] == (
+            f"dataset 'mixed': {data / 'raw' / 'mixed' / 'b.json'}: holds no records (only "
+            "whitespace); remove the file or put the dataset's records in it."
+        )
+
+
+def test_a_folder_of_empty_files_is_never_a_partition(tmp_path):
+    data = tmp_path / "data"
+    (data / "raw" / "blank").mkdir(parents=True)
+    (data / "raw" / "blank" / "a.jsonl").write_bytes(b"")
+    (data / "raw" / "blank" / "b.json").write_text("[]\n")
+    write_jsonl(data / "raw" / "good" / "a.jsonl", tiny_records(2))
+    reason = (
+        f"every data file in {data / 'raw' / 'blank'} holds no records: a.jsonl (0 bytes), "
+        "b.json (only an empty JSON array); put the dataset's records there"
+    )
+    storage = StorageResource(data_dir=str(data))
+    with dg.instance_for_test() as instance:
+        ctx = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        result = dataset_folders_sensor(ctx)
+        assert isinstance(result, dg.SensorResult) and result.dynamic_partitions_requests
+        assert result.dynamic_partitions_requests[0].partition_keys == ["python_stdlib", "good"]
+    d = ["--data-dir", str(data)]
+    required = _datasets_cli(tmp_path, "sync", "--require", "blank", *d)
+    assert (required.returncode, required.stderr) == (
+        2,
+        f"cluster-pipeline datasets: error: dataset 'blank' cannot be registered: {reason}.\n",
+    )
+    synced = _datasets_cli(tmp_path, "sync", *d)
+    assert synced.returncode == 0
+    assert synced.stdout == "registered new dataset partitions: python_stdlib, good\n"
+    assert synced.stderr == f"skipping data/raw/blank/: {reason}\n"
+    listed = _datasets_cli(tmp_path, "list", *d).stdout.splitlines()
+    assert listed == [
+        "python_stdlib\tregistered",
+        "good\tregistered",
+        f"blank\trefused: {reason}",
+    ]

@@ -15,6 +15,7 @@ from cluster_pipeline.core.sharding import ShardManifest
 from cluster_pipeline.core.tokenization import SequenceSettings, encode_rows
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import (
+    CHATML_TOOLS,
     FORGETFUL,
     RUN_CONFIG,
     build_model,
@@ -338,5 +339,75 @@ def test_a_template_that_cannot_split_turns_fails_naming_dataset_and_sample(tmp_
         description, _ = step_failure(failed)
         sid = normalise_record({"messages": dialogue}, "c.jsonl", 1).sample_id
         assert description.startswith("dataset 'chats', cluster_pipeline.training.embed: ")
-        assert f"sample {sid}: the chat template does not render assistant turn 1" in description
+        source = data / "raw" / "chats" / "c.jsonl"
+        assert (
+            f"sample {sid} ({source}:1): the chat template does not render assistant turn 1"
+            in description
+        )
         assert "response_turns='last'" in description
+
+
+def _tool_records(n: int) -> list[dict]:
+    """Glaive / LLaMA-Factory tool-calling records: a call, its result, the answer."""
+    tools = json.dumps([{"name": "square", "parameters": {"type": "object"}}])
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Square {i}?"},
+                {"from": "function_call", "value": f'{{"name": "square", "arguments": {i}}}'},
+                {"from": "observation", "value": str(i * i)},
+                {"from": "gpt", "value": f"{i * i}."},
+            ],
+            "tools": tools,
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.slow
+def test_tools_reach_the_template_or_fail_naming_the_sample(tmp_path, tiny_model_dir):
+    tok = build_tokenizer(chat_template=CHATML_TOOLS)
+    model_dir = tmp_path / "model"
+    build_model(len(tok), pad_token_id=tok.pad_token_id).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "data"
+    source = data / "raw" / "tools" / "glaive.jsonl"
+    write_jsonl(source, _tool_records(6) + tiny_records(14))
+    assets = ASSETS[:2]
+    config = run_config_for(assets, proxy_embeddings={"max_length": 512})
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tools"])
+        ok = dg.materialize(
+            assets,
+            partition_key="tools",
+            instance=instance,
+            resources=resources(data, model_dir),
+            run_config=config,
+        )
+        assert ok.success
+        train = read(instance, "raw_instructions", "tools").filter(pl.col("split") == "train")
+        with_tools = train.filter(pl.col("tools").is_not_null())
+        assert with_tools.height > 0
+        emb = read(instance, "proxy_embeddings", "tools")
+        expected = encode_rows(tok, with_tools, SequenceSettings(max_length=512))
+        got = with_tools.join(emb, on="sample_id", how="left")["n_response_tokens"].to_list()
+        assert got == [e.n_response_tokens for e in expected]
+        assert all(e.skip_reason is None for e in expected)
+        # The tiny model's plain ChatML template has no place for tools: the embedding step
+        # fails naming the first such sample of the training split and its source line.
+        failed = dg.materialize(
+            assets,
+            partition_key="tools",
+            instance=instance,
+            resources=resources(data, tiny_model_dir),
+            run_config=config,
+            raise_on_error=False,
+        )
+        assert not failed.success
+        description, _ = step_failure(failed)
+        first = with_tools.row(0, named=True)
+        assert description.startswith("dataset 'tools', cluster_pipeline.training.embed: ")
+        assert (
+            f"sample {first['sample_id']} ({source}:{first['source_line']}): the chat template "
+            "does not render tools" in description
+        )

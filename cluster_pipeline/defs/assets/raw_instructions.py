@@ -51,8 +51,11 @@ def raw_instructions(
     context: dg.AssetExecutionContext, config: RawInstructionsConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     """One row per distinct sample of the dataset: ``sample_id`` (content hash), ``split``
-    (``train`` or ``heldout``), ``system``/``prompt``/``response`` and the ``source_file`` and
-    1-based ``source_line`` it was read from. Duplicates (same content) keep their first source.
+    (``train`` or ``heldout``), ``system``/``prompt``/``response``, ``messages`` (the kept
+    conversation, JSON) and ``tools`` (function schemas, JSON; null when none), and the
+    ``source_file`` and 1-based ``source_line`` it was read from. Duplicates (same content)
+    keep their first source. Metadata counts the turns and fields the reader did not keep
+    (``dropped_turns``, ``dropped_fields``).
     """
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
@@ -72,7 +75,8 @@ def raw_instructions(
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
-        f"{stats.train} train (of {stats.train_available}), {stats.heldout} held out"
+        f"{stats.train} train (of {stats.train_available}), {stats.heldout} held out; not "
+        f"kept: turns {stats.dropped_turns or 'none'}, fields {stats.dropped_fields or 'none'}"
     )
     record = RawInstructionsRecord(
         table=table,
@@ -89,6 +93,9 @@ def raw_instructions(
         records_per_file={
             _relative(f, layout.raw_dir / dataset): n for f, n in stats.records_per_file.items()
         },
+        dropped_turns=stats.dropped_turns,
+        dropped_fields=stats.dropped_fields,
+        samples_with_tools=int(frame["tools"].is_not_null().sum()),
     )
     return dg.MaterializeResult(
         metadata={
