@@ -14,10 +14,14 @@ alpha = 1.5, the default, and once at alpha = 1), then per seed every variant of
 ratio --ratio, and full data, each trained under ``torchrun --nproc_per_node=2`` with the same
 settings (seed = selection seed = training seed):
 
-- ``peripheral``: alpha 1.5, rank c's loss weighted by w_c = K n_c / N (the method as published);
+- ``peripheral``: alpha 1.5, floor(r m) samples per cluster, rank c's loss weighted by
+  w_c = K n_c / N (the method as published);
+- ``peripheral_tokens``: the same clusters, every cluster kept up to the same token budget
+  (``balance: tokens``, the product's default since 2026-12-02), w_c = K R_c / R;
 - ``peripheral_alpha1``: alpha 1 (exact balance, so every w_c = 1; the product's rule before
   2026-12-02);
 - ``peripheral_noreweight``: alpha 1.5 clusters, weights 1 (``reweight: false``);
+  (every variant trains with the product's default packed micro-batches since 2026-12-02;)
 - ``core``, ``random``: the other within-cluster selectors at alpha 1.5, re-weighted;
 - ``random_global``: the budget of the alpha-1.5 peripheral subset drawn from the whole pool;
 - ``full``: every sample.
@@ -49,14 +53,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 POOLS = {"gpteacher_codegen": SHARED_TRAIN / "gpteacher_codegen.json"}
-# variant -> (selector, alpha, reweight)
+# variant -> (selector, alpha, reweight, balance)
 VARIANTS = {
-    "peripheral": ("peripheral", 1.5, True),
-    "peripheral_alpha1": ("peripheral", 1.0, True),
-    "peripheral_noreweight": ("peripheral", 1.5, False),
-    "core": ("core", 1.5, True),
-    "random": ("random", 1.5, True),
-    "random_global": ("random_global", 1.5, True),
+    "peripheral": ("peripheral", 1.5, True, "samples"),
+    "peripheral_alpha1": ("peripheral", 1.0, True, "samples"),
+    "peripheral_noreweight": ("peripheral", 1.5, False, "samples"),
+    "peripheral_tokens": ("peripheral", 1.5, True, "tokens"),
+    "core": ("core", 1.5, True, "samples"),
+    "random": ("random", 1.5, True, "samples"),
+    "random_global": ("random_global", 1.5, True, "samples"),
 }
 DEFAULT_PLAN = ["peripheral", "peripheral_alpha1", "peripheral_noreweight", "random_global"]
 
@@ -66,11 +71,12 @@ def group_name(variant: str, ratio: float) -> tuple[str, dict]:
     checkpoints whose alpha or reweight setting differs)."""
     if variant == "full":
         return "full r=1.0", {}
-    selector, alpha, reweight = VARIANTS[variant]
-    setup: dict = {"alpha": alpha}
+    selector, alpha, reweight, balance = VARIANTS[variant]
+    setup: dict = {"alpha": alpha, "balance": balance}
     if not reweight:
         setup["reweight"] = False
-    shown = {k: v for k, v in setup.items() if k != "alpha" or v != 1.5}
+    defaults = {"alpha": 1.5, "balance": "samples"}
+    shown = {k: v for k, v in setup.items() if defaults.get(k) != v}
     label = ", ".join(f"{k}={v}" for k, v in shown.items())
     return f"{selector} r={ratio}" + (f" ({label})" if label else ""), setup
 
@@ -133,6 +139,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     clusters[1.0] = balanced_kmeans(normalised, 2, alpha=1.0, seed=0)
     del model
     ids = emb["sample_id"].to_numpy()
+    lengths, response_tokens = emb["n_tokens"].to_numpy(), emb["n_response_tokens"].to_numpy()
     for alpha, c in clusters.items():
         log(
             f"[{name}] alpha {alpha}: k-means sizes {c.kmeans_sizes.tolist()}, after the cap "
@@ -167,12 +174,24 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     plan = [*args.plan, "full"]
     for seed in args.seeds:
         for variant in plan:
-            selector, alpha, reweight = VARIANTS.get(variant, ("full", 1.5, True))
+            selector, alpha, reweight, balance = VARIANTS.get(
+                variant, ("full", 1.5, True, "samples")
+            )
             ratio = 1.0 if variant == "full" else args.ratio
             group, setup = group_name(variant, args.ratio)
             c = clusters[alpha]
-            sel = select(c.labels, c.sq_distance, 2, selector, ratio, seed=seed)
-            alloc = allocate(name, ids, c.labels, sel, 2, seed=seed)
+            sel = select(
+                c.labels,
+                c.sq_distance,
+                2,
+                selector,
+                ratio,
+                seed=seed,
+                balance=balance,
+                lengths=lengths,
+                response_tokens=response_tokens,
+            )
+            alloc = allocate(name, ids, c.labels, sel, 2, seed=seed, lengths=lengths)
             folder = work / name / f"{variant}_{seed}"
             paths = [str(m.write(folder / "shards")) for m in alloc.manifests]
             job = TrainJob(
