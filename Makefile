@@ -19,7 +19,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
 setup: $(VENV)/.installed $(BWRAP) $(SLURMCTLD)
 
-# The sandbox generated code runs in (core/sandbox.py) is bubblewrap, a Debian package.
+# The sandbox generated code runs in (evaluation/sandbox.py) is bubblewrap, a Debian package.
 $(BWRAP):
 	@command -v bwrap >/dev/null || { \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \

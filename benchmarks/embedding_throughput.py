@@ -4,7 +4,7 @@
 
 Each mode runs in its own fresh process (so peak RSS is per mode): ``forward`` is
 ``model(input_ids, attention_mask, position_ids)``, the full forward with its (B, L, V) logits,
-as any training or scoring loop calls it; ``embed`` is :func:`cluster_pipeline.core.embedding.
+as any training or scoring loop calls it; ``embed`` is :func:`cluster_pipeline.selection.embedding.
 embed_batch`, the gradient-proxy embedding. Both see the built-in SmolLM2-135M-Instruct and
 the first ``--samples`` samples of the built-in python_stdlib dataset, encoded and batched by
 length identically. Prints tokens/s for both and their ratio (target >= 0.9) and peak RSS.
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _batches(tokenizer, n: int, max_length: int, batch_size: int, batch_tokens: int):
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
-    from cluster_pipeline.core.tokenization import collate, encode_sample, length_batches
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.data.tokenization import collate, encode_sample, length_batches
 
     encoded = [
         encode_sample(tokenizer, s.system, s.prompt, s.response, max_length)
@@ -40,12 +40,12 @@ def _batches(tokenizer, n: int, max_length: int, batch_size: int, batch_tokens: 
 def run_mode(args) -> dict:
     import torch
 
-    from cluster_pipeline.core.embedding import embed_batch
-    from cluster_pipeline.core.modeling import (
+    from cluster_pipeline.models.loading import (
         BUILTIN_MODEL,
         load_model_and_tokenizer,
         resolve_model,
     )
+    from cluster_pipeline.selection.embedding import embed_batch
 
     path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     model, tokenizer = load_model_and_tokenizer(path)

@@ -42,7 +42,7 @@ def main() -> None:
     import dagster as dg
     import numpy as np
 
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
     from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
     from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
     from cluster_pipeline.defs.partitions import DATASETS
@@ -98,7 +98,7 @@ def main() -> None:
     def embeddings() -> tuple[list[str], np.ndarray]:
         import polars as pl
 
-        from cluster_pipeline.core.tables import series_to_matrix
+        from cluster_pipeline.storage.tables import series_to_matrix
 
         frame = pl.read_delta(str(data / "tables" / "proxy_embeddings" / "stdlib"))
         frame = frame.filter(pl.col("skip_reason").is_null())

@@ -31,8 +31,8 @@ def _median_seconds(fn, runs: int) -> float:
 
 
 def main() -> None:
-    from cluster_pipeline.core.evaluation import load_humaneval
-    from cluster_pipeline.core.sandbox import _python, run_python, sandbox_problem
+    from cluster_pipeline.evaluation.sandbox import _python, run_python, sandbox_problem
+    from cluster_pipeline.evaluation.suites import load_humaneval
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--runs", type=int, default=30)

@@ -74,7 +74,7 @@ def generate(table: Path, n: int, d: int, k: int, seed: int) -> dict:
 
 
 def _sample_centroids(x_or_sample, k: int, seed: int):
-    from cluster_pipeline.core.clustering import kmeans
+    from cluster_pipeline.selection.clustering import kmeans
 
     return kmeans(x_or_sample, k, seed).centroids
 
@@ -86,7 +86,7 @@ def _kmeans_search_cost(sample, k: int, seed: int) -> dict:
     import faiss
     import numpy as np
 
-    from cluster_pipeline.core.clustering import kmeans
+    from cluster_pipeline.selection.clustering import kmeans
 
     t0 = time.perf_counter()
     fit = kmeans(sample, k, seed)
@@ -110,12 +110,12 @@ def _kmeans_search_cost(sample, k: int, seed: int) -> dict:
 def in_memory(table: Path, k: int, seed: int) -> dict:
     import numpy as np
 
-    from cluster_pipeline.core.clustering import (
+    from cluster_pipeline.selection.clustering import (
         capacity,
         capacity_assignment_flow,
         squared_distances,
     )
-    from cluster_pipeline.core.tables import TableRef
+    from cluster_pipeline.storage.tables import TableRef
 
     ref = TableRef(str(table), _version(table))
     t0 = time.perf_counter()
@@ -148,10 +148,10 @@ def in_memory(table: Path, k: int, seed: int) -> dict:
 def streaming(table: Path, out: Path, k: int, seed: int) -> dict:
     import polars as pl
 
-    from cluster_pipeline.core.clustering import cluster_table
-    from cluster_pipeline.core.selection import select
-    from cluster_pipeline.core.sharding import allocate, manifest_set_hash
-    from cluster_pipeline.core.tables import TableRef, write_table
+    from cluster_pipeline.selection.clustering import cluster_table
+    from cluster_pipeline.selection.selectors import select
+    from cluster_pipeline.selection.sharding import allocate, manifest_set_hash
+    from cluster_pipeline.storage.tables import TableRef, write_table
 
     ref = TableRef(str(table), _version(table))
     t0 = time.perf_counter()
@@ -239,7 +239,7 @@ def main() -> None:
     common = ["--n", str(args.n), "--d", str(args.d), "--k", str(args.k), "--seed", str(args.seed)]
     common += ["--work", str(args.work)]
     if args.keep and (table / "_delta_log").exists():
-        from cluster_pipeline.core.tables import TableRef
+        from cluster_pipeline.storage.tables import TableRef
 
         rows = TableRef(str(table), _version(table)).row_count()
         if rows != args.n:

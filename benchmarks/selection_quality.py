@@ -67,7 +67,7 @@ DEFAULT_PLAN = ["peripheral", "peripheral_alpha1", "peripheral_noreweight", "ran
 
 
 def group_name(variant: str, ratio: float) -> tuple[str, dict]:
-    """The report's group name and setup of a variant (as ``core.report.model_entries`` names
+    """The report's group name and setup of a variant (as ``evaluation.report.model_entries`` names
     checkpoints whose alpha or reweight setting differs)."""
     if variant == "full":
         return "full r=1.0", {}
@@ -82,8 +82,8 @@ def group_name(variant: str, ratio: float) -> tuple[str, dict]:
 
 
 def load_pool(name: str):
-    from cluster_pipeline.core.formats import iter_file_records, normalise_record
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.data.formats import iter_file_records, normalise_record
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
 
     if name == "python_stdlib":
         return list(iter_stdlib_samples())
@@ -95,24 +95,24 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     import numpy as np
     import polars as pl
 
-    from cluster_pipeline.core.checkpoints import read_checkpoint
-    from cluster_pipeline.core.clustering import balanced_kmeans
-    from cluster_pipeline.core.datasets import build_instruction_table
-    from cluster_pipeline.core.embedding import l2_normalise
-    from cluster_pipeline.core.evaluation import (
+    from cluster_pipeline.data.datasets import build_instruction_table
+    from cluster_pipeline.evaluation.report import ModelResult, aggregate, compare_groups
+    from cluster_pipeline.evaluation.statistics import gradient_diversity
+    from cluster_pipeline.evaluation.suites import (
         EvalSettings,
         ItemScores,
         evaluate_model,
         load_humaneval,
     )
-    from cluster_pipeline.core.modeling import load_model_and_tokenizer
-    from cluster_pipeline.core.report import ModelResult, aggregate, compare_groups
-    from cluster_pipeline.core.selection import select
-    from cluster_pipeline.core.sharding import allocate
-    from cluster_pipeline.core.statistics import gradient_diversity
-    from cluster_pipeline.core.tables import series_to_matrix, write_table
+    from cluster_pipeline.models.loading import load_model_and_tokenizer
+    from cluster_pipeline.recipes.embed import embed_frame
+    from cluster_pipeline.selection.clustering import balanced_kmeans
+    from cluster_pipeline.selection.embedding import l2_normalise
+    from cluster_pipeline.selection.selectors import select
+    from cluster_pipeline.selection.sharding import allocate
+    from cluster_pipeline.storage.tables import series_to_matrix, write_table
+    from cluster_pipeline.training.checkpointing import read_checkpoint
     from cluster_pipeline.training.config import EmbedSettings, TrainJob, TrainSettings
-    from cluster_pipeline.training.embed import embed_frame
 
     frame, stats = build_instruction_table(load_pool(name), 0.5, args.heldout, args.pool, seed=0)
     table = write_table(frame, work / name / "raw")
@@ -227,7 +227,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                     "--standalone",
                     "--nproc_per_node=2",
                     "-m",
-                    "cluster_pipeline.training.train",
+                    "cluster_pipeline.recipes.train",
                     "--config",
                     str(job_file),
                 ],
@@ -343,7 +343,7 @@ def main() -> None:
     if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:
         p.error("need --pool >= 8, --heldout >= 2, 0 < --ratio < 1 and seeds >= 0")
 
-    from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
+    from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 
     start = time.perf_counter()
 

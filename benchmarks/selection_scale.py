@@ -29,9 +29,9 @@ def run(n: int, d: int, k: int, seed: int) -> dict:
     import numpy as np
     from ortools.graph.python import min_cost_flow  # noqa: F401
 
-    from cluster_pipeline.core.clustering import balanced_kmeans
-    from cluster_pipeline.core.selection import select
-    from cluster_pipeline.core.sharding import allocate
+    from cluster_pipeline.selection.clustering import balanced_kmeans
+    from cluster_pipeline.selection.selectors import select
+    from cluster_pipeline.selection.sharding import allocate
 
     base_rss = rss_mib()
     rng = np.random.default_rng(seed)

@@ -4,7 +4,7 @@
 
 For the built-in python_stdlib dataset and each shared training pool (../shared/datasets/train/),
 every sample is encoded with the built-in SmolLM2-135M-Instruct tokenizer exactly as the
-embedding pass, training and held-out loss encode it (:func:`cluster_pipeline.core.
+embedding pass, training and held-out loss encode it (:func:`cluster_pipeline.data.
 tokenization.encode_conversation`), once per ``truncation`` policy, and the counts printed:
 trainable samples, skipped by reason, truncated by kind, and the trainable count relative to
 ``skip`` (the baseline policy, measured in the same run). Tokenization only, no model: about
@@ -25,8 +25,8 @@ SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 
 
 def _samples(name: str):
-    from cluster_pipeline.core.formats import read_dataset_folder
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.data.formats import read_dataset_folder
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
 
     if name == "python_stdlib":
         return list(iter_stdlib_samples())
@@ -44,8 +44,8 @@ def _samples(name: str):
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from cluster_pipeline.core.formats import conversation
-    from cluster_pipeline.core.tokenization import TRUNCATIONS, encode_conversation
+    from cluster_pipeline.data.formats import conversation
+    from cluster_pipeline.data.tokenization import TRUNCATIONS, encode_conversation
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--max-length", type=int, nargs="+", default=[256, 512])

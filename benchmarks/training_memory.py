@@ -47,7 +47,7 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
         output_dir=str(out),
     ).dump(work / f"{name}.json")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", "-m", "cluster_pipeline.training.train"]
+    command += ["--nproc_per_node=2", "-m", "cluster_pipeline.recipes.train"]
     start = time.perf_counter()
     done = subprocess.run(
         [*command, "--config", str(work / f"{name}.json")], capture_output=True, text=True
@@ -97,11 +97,11 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from cluster_pipeline.core.datasets import build_instruction_table
-    from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
-    from cluster_pipeline.core.sharding import ShardManifest
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
-    from cluster_pipeline.core.tables import write_table
+    from cluster_pipeline.data.datasets import build_instruction_table
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
+    from cluster_pipeline.selection.sharding import ShardManifest
+    from cluster_pipeline.storage.tables import write_table
     from cluster_pipeline.training.config import Parallelism, TrainSettings
     from cluster_pipeline.training.parallel import (
         TrainingMemoryError,

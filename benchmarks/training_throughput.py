@@ -31,7 +31,7 @@ to ``--work`` and their lengths to ``benchmarks/throughput_lengths.json`` (commi
 needs no data, only the lengths).
 
 The timing core (``core``) imports torch, transformers, numpy and the product's torch-only
-modules (``training/plan.py``, ``training/step.py``, ``core/packing.py``): no Dagster, polars or
+modules (``training/plan.py``, ``training/step.py``, ``data/packing.py``): no Dagster, polars or
 deltalake, so it runs on the accelerator machine the ``device`` tool lends. With ``--lengths`` it
 trains on random token ids of the saved lengths (the loss is then not meaningful), with
 ``--samples`` on the real encoded shards. On CUDA it also reports model FLOPs utilisation,
@@ -66,22 +66,22 @@ def prepare(datasets: list[str], work: Path, ratio: float) -> None:
     the shards of both balances: encoded samples to ``work``, lengths to :data:`LENGTHS`."""
     import polars as pl
 
-    from cluster_pipeline.core.clustering import balanced_kmeans
-    from cluster_pipeline.core.datasets import build_instruction_table
-    from cluster_pipeline.core.embedding import l2_normalise
-    from cluster_pipeline.core.formats import iter_file_records, normalise_record
-    from cluster_pipeline.core.modeling import (
+    from cluster_pipeline.data.datasets import build_instruction_table
+    from cluster_pipeline.data.formats import iter_file_records, normalise_record
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.data.tokenization import encode_rows
+    from cluster_pipeline.models.loading import (
         BUILTIN_MODEL,
         load_model_and_tokenizer,
         resolve_model,
     )
-    from cluster_pipeline.core.selection import select
-    from cluster_pipeline.core.sharding import allocate
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
-    from cluster_pipeline.core.tables import series_to_matrix
-    from cluster_pipeline.core.tokenization import encode_rows
+    from cluster_pipeline.recipes.embed import embed_frame
+    from cluster_pipeline.selection.clustering import balanced_kmeans
+    from cluster_pipeline.selection.embedding import l2_normalise
+    from cluster_pipeline.selection.selectors import select
+    from cluster_pipeline.selection.sharding import allocate
+    from cluster_pipeline.storage.tables import series_to_matrix
     from cluster_pipeline.training.config import EmbedSettings, TrainSettings
-    from cluster_pipeline.training.embed import embed_frame
 
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     model, tokenizer = load_model_and_tokenizer(model_path)
@@ -220,7 +220,7 @@ def core(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from cluster_pipeline.core.packing import can_pack
+    from cluster_pipeline.data.packing import can_pack
     from cluster_pipeline.training.plan import plan_packed, plan_padded, useful_compute_fraction
     from cluster_pipeline.training.step import accumulate, clock
 
@@ -394,7 +394,7 @@ def main() -> None:
     shared = SHARED_TRAIN / "alpaca_cherry_5pct.json"
     if "alpaca_cherry_5pct" in args.datasets and not shared.exists():
         sys.exit("alpaca_cherry_5pct.json not found: the shared datasets lie beside the project")
-    from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
+    from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 
     args.model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     args.work.mkdir(parents=True, exist_ok=True)

@@ -28,20 +28,20 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
 
-    from cluster_pipeline.core.clustering import balanced_kmeans
-    from cluster_pipeline.core.datasets import build_instruction_table
-    from cluster_pipeline.core.embedding import l2_normalise
-    from cluster_pipeline.core.modeling import (
+    from cluster_pipeline.data.datasets import build_instruction_table
+    from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+    from cluster_pipeline.models.loading import (
         BUILTIN_MODEL,
         load_model_and_tokenizer,
         resolve_model,
     )
-    from cluster_pipeline.core.selection import select
-    from cluster_pipeline.core.sharding import allocate
-    from cluster_pipeline.core.stdlib_dataset import iter_stdlib_samples
-    from cluster_pipeline.core.tables import series_to_matrix, write_table
+    from cluster_pipeline.recipes.embed import embed_frame
+    from cluster_pipeline.selection.clustering import balanced_kmeans
+    from cluster_pipeline.selection.embedding import l2_normalise
+    from cluster_pipeline.selection.selectors import select
+    from cluster_pipeline.selection.sharding import allocate
+    from cluster_pipeline.storage.tables import series_to_matrix, write_table
     from cluster_pipeline.training.config import EmbedSettings, TrainJob, TrainSettings
-    from cluster_pipeline.training.embed import embed_frame
 
     work = Path(tempfile.mkdtemp(prefix="training_time_"))
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
@@ -90,7 +90,7 @@ def main() -> None:
             "--standalone",
             "--nproc_per_node=2",
             "-m",
-            "cluster_pipeline.training.train",
+            "cluster_pipeline.recipes.train",
             "--config",
             str(work / f"{selector}.json"),
         ]

@@ -15,7 +15,7 @@ import dagster as dg
 import polars as pl
 import torch
 
-from cluster_pipeline.core.sandbox import sandbox_problem
+from cluster_pipeline.evaluation.sandbox import sandbox_problem
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -130,9 +130,9 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def instructions_table(path: Path, records: list[dict], heldout_fraction: float = 0.0):
     """A raw_instructions Delta table at ``path`` built from Alpaca records."""
-    from cluster_pipeline.core.datasets import build_instruction_table
-    from cluster_pipeline.core.formats import normalise_record
-    from cluster_pipeline.core.tables import write_table
+    from cluster_pipeline.data.datasets import build_instruction_table
+    from cluster_pipeline.data.formats import normalise_record
+    from cluster_pipeline.storage.tables import write_table
 
     samples = [normalise_record(r, "mem.jsonl", i + 1) for i, r in enumerate(records)]
     frame, _ = build_instruction_table(samples, heldout_fraction, None, None, seed=0)
@@ -267,7 +267,7 @@ def train_job(
 
     Returns (job, the instructions TableRef).
     """
-    from cluster_pipeline.core.sharding import ShardManifest
+    from cluster_pipeline.selection.sharding import ShardManifest
     from cluster_pipeline.training.config import TrainJob, TrainSettings
 
     table = instructions_table(tmp_path / "raw", tiny_records(40))

@@ -14,7 +14,7 @@ import yaml
 
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.cli.run_config import asset_list
-from cluster_pipeline.core.selection import SELECTORS
+from cluster_pipeline.selection.selectors import SELECTORS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

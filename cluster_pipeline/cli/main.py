@@ -11,7 +11,7 @@ import argparse
 import signal
 
 from cluster_pipeline.cli import UserError, compare, register, run_config, trace
-from cluster_pipeline.core.formats import DatasetFormatError
+from cluster_pipeline.data.formats import DatasetFormatError
 
 COMMANDS = {
     "datasets": register,

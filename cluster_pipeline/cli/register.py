@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 from cluster_pipeline.cli import UserError
-from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
-from cluster_pipeline.core.formats import SUPPORTED_SUFFIXES
-from cluster_pipeline.core.layout import PROJECT_ROOT, DataLayout, default_data_dir
+from cluster_pipeline.data.datasets import discover_datasets, refused_datasets
+from cluster_pipeline.data.formats import SUPPORTED_SUFFIXES
 from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
 from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.storage.layout import PROJECT_ROOT, DataLayout, default_data_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

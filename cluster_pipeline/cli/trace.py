@@ -18,9 +18,9 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from cluster_pipeline.cli import UserError
-from cluster_pipeline.core.checkpoints import checkpoints_by_manifest, list_checkpoints
-from cluster_pipeline.core.layout import DataLayout, default_data_dir
-from cluster_pipeline.core.lineage import build_lineage, latest_tables, subset_diff
+from cluster_pipeline.storage.layout import DataLayout, default_data_dir
+from cluster_pipeline.storage.lineage import build_lineage, latest_tables, subset_diff
+from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ What downstream stages read back lives in :mod:`cluster_pipeline.defs.records`.
 import dagster as dg
 import polars as pl
 
-from cluster_pipeline.core.tables import markdown_preview
+from cluster_pipeline.storage.tables import markdown_preview
 
 _DAGSTER_TYPES = {
     pl.String: "string",

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Self
 
 import dagster as dg
 
-from cluster_pipeline.core.tables import TableRef
+from cluster_pipeline.storage.tables import TableRef
 
 
 class UpstreamNotMaterialized(dg.Failure):
@@ -120,7 +120,7 @@ class RawInstructionsRecord(ChainRecord):
     benchmarks: list[str]
     mean_response_chars: float
     records_per_file: dict[str, int] = field(default_factory=dict)
-    # What the reader did not keep (core/formats.py, chat rules): turns by reason, and non-null
+    # What the reader did not keep (data/formats.py, chat rules): turns by reason, and non-null
     # fields no form reads by name (occurrences), over every record read.
     dropped_turns: dict[str, int] = field(default_factory=dict)
     dropped_fields: dict[str, int] = field(default_factory=dict)
@@ -170,8 +170,8 @@ class BalancedClustersRecord(SelectionRecord):
     kmeans_cost: float
     capacity_cost: float
     capacity_cost_increase_pct: float
-    # How far above the optimum capacity_cost can be at most (LP dual bound; core/clustering),
-    # and how many samples the exact flow assigned.
+    # How far above the optimum capacity_cost can be at most (LP dual bound;
+    # selection/clustering.py), and how many samples the exact flow assigned.
     capacity_optimality_gap: float = 0.0
     capacity_boundary_samples: int = 0
     # w_c = K n_c / N of the sizes after the capacity step: the loss weights of a re-weighted
@@ -200,14 +200,14 @@ class PeripheralSubsetsRecord(SelectionRecord):
     selected_samples: int
     data_fraction: float
     cluster_weights: list[float]
-    # samples or tokens (core/selection.py); the token budget per cluster under token balance;
+    # samples or tokens (selection/selectors.py); the token budget per cluster under token balance;
     # what each cluster kept (copies counted).
     balance: str = "samples"
     token_budget: int | None = None
     samples_per_cluster: list[int] = field(default_factory=list)
     tokens_per_cluster: list[int] = field(default_factory=list)
     # Of the subset as trained (copies counted), from its proxy embeddings; see
-    # core/statistics.gradient_diversity. The pool's, for scale.
+    # evaluation/statistics.gradient_diversity. The pool's, for scale.
     gradient_diversity: float = float("nan")
     pool_gradient_diversity: float = float("nan")
 

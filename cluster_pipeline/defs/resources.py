@@ -10,22 +10,22 @@ import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError
 from pydantic import Field
 
-from cluster_pipeline.core.layout import DataLayout, default_data_dir
-from cluster_pipeline.core.modeling import BUILTIN_MODEL, resolve_model
-from cluster_pipeline.training import slurm
-from cluster_pipeline.training.torchrun import (
+from cluster_pipeline.launch import slurm
+from cluster_pipeline.launch.torchrun import (
     failure_summary,
     rank_failures,
     signal_cause,
     torchrun_command,
 )
+from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
+from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
 
 
 class StorageResource(dg.ConfigurableResource):
     """The data folder: inputs under ``raw/``, Delta tables, checkpoints and reports
-    (layout: :mod:`cluster_pipeline.core.layout`)."""
+    (layout: :mod:`cluster_pipeline.storage.layout`)."""
 
     data_dir: str = Field(
         default_factory=default_data_dir,
@@ -58,7 +58,7 @@ class BaseModelResource(dg.ConfigurableResource):
 class TorchrunResource(dg.ConfigurableResource):
     """How ``torchrun`` is launched: on this machine (``--standalone``), as one node of a
     multi-node rendezvous started by hand on every node, or as a Slurm batch job that starts one
-    torchrun agent per node (:mod:`cluster_pipeline.training.slurm`)."""
+    torchrun agent per node (:mod:`cluster_pipeline.launch.slurm`)."""
 
     launcher: Literal["standalone", "rendezvous", "slurm"] = Field(
         default="standalone",
@@ -118,7 +118,7 @@ class TorchrunResource(dg.ConfigurableResource):
         log_dir: Path | None = None,
         local: bool = False,
     ) -> list[str]:
-        """See :func:`cluster_pipeline.training.torchrun.torchrun_command`; ``local``: this
+        """See :func:`cluster_pipeline.launch.torchrun.torchrun_command`; ``local``: this
         machine only (``--standalone``) whatever the rendezvous settings."""
         if local:
             return torchrun_command(module, nproc_per_node, args, log_dir=log_dir)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from cluster_pipeline.core.datasets import discover_datasets, source_fingerprint
+from cluster_pipeline.data.datasets import discover_datasets, source_fingerprint
 from cluster_pipeline.defs.jobs import selection_job
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline.defs.records import (

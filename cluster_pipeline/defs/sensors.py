@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from cluster_pipeline.core.datasets import discover_datasets, refused_datasets
+from cluster_pipeline.data.datasets import discover_datasets, refused_datasets
 from cluster_pipeline.defs.partitions import DATASETS, dataset_partitions
 from cluster_pipeline.defs.resources import StorageResource
 
@@ -10,7 +10,7 @@ from cluster_pipeline.defs.resources import StorageResource
 @dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
 def dataset_folders_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     """Adds a ``datasets`` partition for ``python_stdlib`` and for each new folder
-    ``data/raw/<name>/`` holding data files with records (``core.datasets.discover_datasets``);
+    ``data/raw/<name>/`` holding data files with records (``data.datasets.discover_datasets``);
     a folder it refuses (no data file, every file empty, a name Dagster rejects) is logged with
     the reason and never added. Removing a folder deletes nothing."""
     raw_dir = storage.layout.raw_dir

@@ -16,8 +16,8 @@ from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster_pipeline.core.evaluation import EvalSettings
-from cluster_pipeline.core.tokenization import PackingSettings, SequenceSettings
+from cluster_pipeline.data.tokenization import PackingSettings, SequenceSettings
+from cluster_pipeline.evaluation.suites import EvalSettings
 
 Schedule = Literal["cosine", "linear", "constant"]
 Parallelism = Literal["ddp", "fsdp"]

@@ -15,8 +15,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from cluster_pipeline.launch.fate import die_with_parent
 from cluster_pipeline.training.config import JobFile
-from cluster_pipeline.training.fate import die_with_parent
 
 J = TypeVar("J", bound=JobFile)
 

@@ -64,7 +64,7 @@ def check_lora_targets(model_path: str, cfg: TrainSettings) -> None:
     """
     if not cfg.lora_r:
         return
-    from cluster_pipeline.core.modeling import empty_model
+    from cluster_pipeline.models.loading import empty_model
 
     model = empty_model(model_path)
     try:

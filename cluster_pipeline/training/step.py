@@ -8,7 +8,7 @@ Rank c's loss for a micro-batch is ``w_c x (cross-entropy summed over the micro-
 targets) / (targets of the rank's whole step)``, so the step's gradient is w_c times the
 gradient of the token-mean loss over the rank's step however the step is cut into micro-batches
 (docs/design.md, step 5). Packed micro-batches carry no attention mask; their position ids keep
-the samples apart (core/packing.py).
+the samples apart (data/packing.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cluster_pipeline.core.packing import (
+from cluster_pipeline.data.packing import (
     IGNORE_INDEX,
     TokenSample,
     collate_rows,

@@ -120,7 +120,7 @@ def test_torchrun_command_lines():
     single = TorchrunResource().command("m.x", 2, ["--config", "c.json"])
     assert single[1:] == [
         "-m",
-        "cluster_pipeline.training.launch",
+        "cluster_pipeline.launch.launcher",
         "--standalone",
         "--nproc_per_node=2",
         "-m",

@@ -9,8 +9,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cluster_pipeline.core.evaluation import ItemScores
-from cluster_pipeline.core.report import (
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.evaluation.report import (
     ModelResult,
     aggregate,
     compare_groups,
@@ -18,8 +18,8 @@ from cluster_pipeline.core.report import (
     markdown_table,
     render_report,
 )
-from cluster_pipeline.core.sandbox import sandbox_problem
-from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.evaluation.sandbox import sandbox_problem
+from cluster_pipeline.evaluation.suites import ItemScores
 from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
 
 ASSETS = pipeline_assets()
@@ -292,8 +292,8 @@ def test_checkpoints_of_other_training_setups_are_groups_of_their_own():
     """Seeds of one setup share a group; a run with other training settings (LoRA here) is a
     group of its own, named by the settings that vary, and compared with references of its
     setup only."""
-    from cluster_pipeline.core.checkpoints import Checkpoint
-    from cluster_pipeline.core.report import model_entries, references_of
+    from cluster_pipeline.evaluation.report import model_entries, references_of
+    from cluster_pipeline.training.checkpointing import Checkpoint
 
     def ckpt(name, selector, seed, **settings):
         info = {

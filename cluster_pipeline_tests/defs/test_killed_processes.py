@@ -40,7 +40,7 @@ def _worker(proc: psutil.Process, module: str, rank: int, data: Path) -> bool:
     cmdline = proc.cmdline()
     if module not in cmdline or not any(str(data) in c for c in cmdline):
         return False
-    if any("cluster_pipeline.training.launch" in c for c in cmdline):
+    if any("cluster_pipeline.launch.launcher" in c for c in cmdline):
         return False
     return proc.environ().get("LOCAL_RANK") == str(rank)
 
@@ -50,7 +50,7 @@ def _launcher(proc: psutil.Process, module: str, data: Path) -> bool:
     cmdline = proc.cmdline()
     return (
         module in cmdline
-        and any("cluster_pipeline.training.launch" in c for c in cmdline)
+        and any("cluster_pipeline.launch.launcher" in c for c in cmdline)
         and any(str(data) in c for c in cmdline)
     )
 
@@ -123,7 +123,7 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
             )
 
         # Embedding rank 1 of 2.
-        embed = "cluster_pipeline.training.embed"
+        embed = "cluster_pipeline.recipes.embed"
         with sigkill_when(lambda p: _worker(p, embed, 1, tiny_data_dir)) as killed:
             result = materialize(ASSETS[:2], proxy_embeddings={"world_size": 2, "chunk_size": 4})
         assert killed and not result.success
@@ -134,14 +134,14 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
 
         assert materialize(ASSETS[:6]).success
         # Training rank 1 of 2.
-        train = "cluster_pipeline.training.train"
+        train = "cluster_pipeline.recipes.train"
         with sigkill_when(lambda p: _worker(p, train, 1, tiny_data_dir)) as killed:
             result = materialize([ASSETS[5]], trained_checkpoint={"retrain": True})
         assert killed and not result.success
         assert f"dataset 'tiny', {train}: rank_1 failed first: {OOM}" in step_failure(result)[0]
 
         # The evaluation process (one per model).
-        evaluate = "cluster_pipeline.training.evaluate"
+        evaluate = "cluster_pipeline.recipes.evaluate"
         with sigkill_when(lambda p: _worker(p, evaluate, 0, tiny_data_dir)) as killed:
             result = materialize([ASSETS[6]])
         assert killed and not result.success
@@ -178,7 +178,7 @@ def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(
         config.write_text(
             yaml.safe_dump({"ops": {"eval_report": RUN_CONFIG["ops"]["eval_report"]}})
         )
-        evaluate = "cluster_pipeline.training.evaluate"
+        evaluate = "cluster_pipeline.recipes.evaluate"
         env = {
             **os.environ,
             "DAGSTER_HOME": str(home),

@@ -251,7 +251,7 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
             and Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent != shard_dir
         )
         info = json.loads((Path(str(ckpt)) / "training_info.json").read_text())
-        from cluster_pipeline.core.sharding import ShardManifest
+        from cluster_pipeline.selection.sharding import ShardManifest
 
         assert [ShardManifest.read(Path(m["path"])).sha256 for m in info["manifests"]] == [
             m["sha256"] for m in info["manifests"]

@@ -10,10 +10,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cluster_pipeline.core.formats import normalise_record
-from cluster_pipeline.core.sharding import ShardManifest
-from cluster_pipeline.core.tokenization import SequenceSettings, encode_rows
+from cluster_pipeline.data.formats import normalise_record
+from cluster_pipeline.data.tokenization import SequenceSettings, encode_rows
 from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.selection.sharding import ShardManifest
 from cluster_pipeline_tests.helpers import (
     CHATML_TOOLS,
     FORGETFUL,
@@ -153,7 +153,7 @@ def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model
         )
         assert not failed.success
         description, metadata = step_failure(failed)
-        assert description.startswith("dataset 'tiny', cluster_pipeline.training.train: ")
+        assert description.startswith("dataset 'tiny', cluster_pipeline.recipes.train: ")
         assert "rank_1" in description and "weight_typo" in description
         assert "rank_1 failed first" in description
         assert "weight_typo" in metadata["rank_1"]
@@ -338,7 +338,7 @@ def test_a_template_that_cannot_split_turns_fails_naming_dataset_and_sample(tmp_
         assert not failed.success
         description, _ = step_failure(failed)
         sid = normalise_record({"messages": dialogue}, "c.jsonl", 1).sample_id
-        assert description.startswith("dataset 'chats', cluster_pipeline.training.embed: ")
+        assert description.startswith("dataset 'chats', cluster_pipeline.recipes.embed: ")
         source = data / "raw" / "chats" / "c.jsonl"
         assert (
             f"sample {sid} ({source}:1): the chat template does not render assistant turn 1"
@@ -406,7 +406,7 @@ def test_tools_reach_the_template_or_fail_naming_the_sample(tmp_path, tiny_model
         assert not failed.success
         description, _ = step_failure(failed)
         first = with_tools.row(0, named=True)
-        assert description.startswith("dataset 'tools', cluster_pipeline.training.embed: ")
+        assert description.startswith("dataset 'tools', cluster_pipeline.recipes.embed: ")
         assert (
             f"sample {first['sample_id']} ({source}:{first['source_line']}): the chat template "
             "does not render tools" in description

@@ -4,7 +4,6 @@ fails with a message naming the stage to re-materialize."""
 import dagster as dg
 import pytest
 
-from cluster_pipeline.core.tables import TableRef
 from cluster_pipeline.defs.records import (
     EvalReportRecord,
     PeripheralSubsetsRecord,
@@ -12,6 +11,7 @@ from cluster_pipeline.defs.records import (
     UpstreamNotMaterialized,
     latest_record,
 )
+from cluster_pipeline.storage.tables import TableRef
 
 SUBSETS = PeripheralSubsetsRecord(
     table=TableRef("/d/tables/peripheral_subsets/x", 3),

@@ -175,7 +175,7 @@ def test_a_step_process_killed_outright_still_cancels_its_job(local_slurm, tmp_p
         guard = next(
             p
             for p in psutil.process_iter()
-            if any("cluster_pipeline.training.slurm" in c for c in _cmdline(p))
+            if any("cluster_pipeline.launch.slurm" in c for c in _cmdline(p))
             and any(str(tmp_path) in c for c in _cmdline(p))
         )
         psutil.Process(guard.ppid()).kill()  # the step process

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster_pipeline.core.modeling import empty_model, safetensors_files
+from cluster_pipeline.models.loading import empty_model, safetensors_files
 from cluster_pipeline.training.parallel import load_into_shards
 
 

@@ -8,21 +8,21 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.core import plots
-from cluster_pipeline.core.clustering import (
+from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
+from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.evaluation import plots
+from cluster_pipeline.recipes.embed import REPRESENTATIONS
+from cluster_pipeline.selection.clustering import (
     DEFAULT_ALPHA,
     KMEANS_NITER,
     KMEANS_RESTARTS,
     check_capacity,
     cluster_table,
 )
-from cluster_pipeline.core.selection import cluster_weights
-from cluster_pipeline.core.tables import vectors_to_series, write_table
-from cluster_pipeline.defs.metadata import table_display
-from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
-from cluster_pipeline.defs.resources import StorageResource
-from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.training.embed import REPRESENTATIONS
+from cluster_pipeline.selection.selectors import cluster_weights
+from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 
 class BalancedClustersConfig(dg.Config):

@@ -8,30 +8,30 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.core import plots
-from cluster_pipeline.core.cache import JsonCache, stable_hash
-from cluster_pipeline.core.checkpoints import list_checkpoints, read_checkpoint
-from cluster_pipeline.core.evaluation import CODE_BENCHMARKS, EvalSettings, load_suites
-from cluster_pipeline.core.layout import SHARED_EVAL_DIR
-from cluster_pipeline.core.report import (
+from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
+from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.evaluation import plots
+from cluster_pipeline.evaluation.report import (
     dataset_benchmarks,
     evaluate_entries,
     item_scores_frame,
     model_entries,
     render_report,
 )
-from cluster_pipeline.core.sandbox import check_sandbox, sandbox_problem
-from cluster_pipeline.core.tables import write_table
-from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
-from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
-from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.evaluation.sandbox import check_sandbox, sandbox_problem
+from cluster_pipeline.evaluation.suites import CODE_BENCHMARKS, EvalSettings, load_suites
+from cluster_pipeline.storage.cache import JsonCache, stable_hash
+from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
+from cluster_pipeline.storage.tables import write_table
+from cluster_pipeline.training.checkpointing import list_checkpoints, read_checkpoint
 from cluster_pipeline.training.config import EvalJob, settings_of
 
-EVAL_MODULE = "cluster_pipeline.training.evaluate"
+EVAL_MODULE = "cluster_pipeline.recipes.evaluate"
 
 
 class EvalReportConfig(dg.Config, EvalSettings):
-    """The evaluation knobs (:class:`~cluster_pipeline.core.evaluation.EvalSettings`) plus which
+    """The evaluation knobs (:class:`~cluster_pipeline.evaluation.suites.EvalSettings`) plus which
     models the report compares."""
 
     compare_checkpoints: bool = Field(
@@ -58,7 +58,7 @@ def eval_report(
     from, the dataset's benchmarks (HumanEval / MBPP pass@1, MMLU accuracy), training seconds
     and data fraction. Written as standalone Markdown with PNG plots to
     ``data/reports/<dataset>/``. Each model is evaluated in its own process
-    (:mod:`cluster_pipeline.training.evaluate` under torchrun), so one killed by a signal is
+    (:mod:`cluster_pipeline.recipes.evaluate` under torchrun), so one killed by a signal is
     named with the likely cause.
     """
     dataset, layout = context.partition_key, storage.layout

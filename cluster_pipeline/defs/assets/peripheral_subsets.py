@@ -6,11 +6,6 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.core import plots
-from cluster_pipeline.core.embedding import l2_normalise
-from cluster_pipeline.core.selection import Balance, Selector, per_cluster_summary, select
-from cluster_pipeline.core.statistics import DiversitySums
-from cluster_pipeline.core.tables import markdown_preview, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -19,7 +14,12 @@ from cluster_pipeline.defs.records import (
 )
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.training.embed import REPRESENTATIONS
+from cluster_pipeline.evaluation import plots
+from cluster_pipeline.evaluation.statistics import DiversitySums
+from cluster_pipeline.recipes.embed import REPRESENTATIONS
+from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.selectors import Balance, Selector, per_cluster_summary, select
+from cluster_pipeline.storage.tables import markdown_preview, write_table
 
 
 class PeripheralSubsetsConfig(dg.Config):

@@ -6,15 +6,12 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.core.cache import model_fingerprint, stable_hash
-from cluster_pipeline.core.datasets import read_instructions
-from cluster_pipeline.core.tables import mean_of, write_table
+from cluster_pipeline.data.datasets import read_instructions
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
-from cluster_pipeline.training.embed import (
+from cluster_pipeline.recipes.embed import (
     CHUNK_FORMAT,
     CacheUnreadable,
     assemble_table,
@@ -27,8 +24,11 @@ from cluster_pipeline.training.embed import (
     store_pass,
     write_pass_ids,
 )
+from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
+from cluster_pipeline.storage.tables import mean_of, write_table
+from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 
-EMBED_MODULE = "cluster_pipeline.training.embed"
+EMBED_MODULE = "cluster_pipeline.recipes.embed"
 
 
 class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
@@ -74,7 +74,7 @@ def proxy_embeddings(
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
     # Per-sample cache: keyed by what changes the numbers, not by the pool, so a refresh after
-    # new data embeds only the new samples (training/embed.py, "Per-sample cache").
+    # new data embeds only the new samples (recipes/embed.py, "Per-sample cache").
     key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT)
     cache_dir = layout.embedding_cache_dir(dataset, key)
     cache_dir.mkdir(parents=True, exist_ok=True)

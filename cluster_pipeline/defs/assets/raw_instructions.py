@@ -6,14 +6,14 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from cluster_pipeline.core.datasets import build_instruction_table, load_samples, source_fingerprint
-from cluster_pipeline.core.formats import DatasetFormatError
-from cluster_pipeline.core.report import dataset_benchmarks
-from cluster_pipeline.core.tables import mean_of, write_table
+from cluster_pipeline.data.datasets import build_instruction_table, load_samples, source_fingerprint
+from cluster_pipeline.data.formats import DatasetFormatError
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.evaluation.report import dataset_benchmarks
+from cluster_pipeline.storage.tables import mean_of, write_table
 
 
 class RawInstructionsConfig(dg.Config):

@@ -5,13 +5,13 @@ import time
 import dagster as dg
 import polars as pl
 
-from cluster_pipeline.core.checkpoints import checkpoints_by_manifest, list_checkpoints
-from cluster_pipeline.core.lineage import LINEAGE_STAGES, build_lineage
-from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import SampleLineageRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.storage.lineage import LINEAGE_STAGES, build_lineage
+from cluster_pipeline.storage.tables import write_table
+from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
 _CHECKPOINT = dg.AssetSelection.assets("trained_checkpoint")
 

@@ -5,19 +5,19 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from cluster_pipeline.core.selection import selection_from_table
-from cluster_pipeline.core.sharding import (
+from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.records import PeripheralSubsetsRecord, ShardManifestsRecord, read_record
+from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.selection.selectors import selection_from_table
+from cluster_pipeline.selection.sharding import (
     CHECKS,
     allocate,
     check_allocation,
     manifest_set_hash,
     manifests_frame,
 )
-from cluster_pipeline.core.tables import write_table
-from cluster_pipeline.defs.metadata import table_display
-from cluster_pipeline.defs.records import PeripheralSubsetsRecord, ShardManifestsRecord, read_record
-from cluster_pipeline.defs.resources import StorageResource
-from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.storage.tables import write_table
 
 
 class ShardManifestsConfig(dg.Config):

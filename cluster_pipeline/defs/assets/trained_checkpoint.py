@@ -6,10 +6,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from cluster_pipeline.core import plots
-from cluster_pipeline.core.cache import stable_hash
-from cluster_pipeline.core.checkpoints import finished_for, read_checkpoint, read_metrics
-from cluster_pipeline.core.datasets import samples_fingerprint
+from cluster_pipeline.data.datasets import samples_fingerprint
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
     PeripheralSubsetsRecord,
@@ -20,6 +17,9 @@ from cluster_pipeline.defs.records import (
 )
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.evaluation import plots
+from cluster_pipeline.storage.cache import stable_hash
+from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
 from cluster_pipeline.training.parallel import (
     TrainingMemoryError,
@@ -30,7 +30,7 @@ from cluster_pipeline.training.parallel import (
     parameter_count,
 )
 
-TRAIN_MODULE = "cluster_pipeline.training.train"
+TRAIN_MODULE = "cluster_pipeline.recipes.train"
 
 
 class TrainedCheckpointConfig(dg.Config, TrainSettings):

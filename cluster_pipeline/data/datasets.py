@@ -1,0 +1,292 @@
+"""Dataset partitions and the `raw_instructions` table: dedup, held-out split, optional cap.
+
+A dataset partition is either the built-in ``python_stdlib`` or a folder ``data/raw/<name>/``
+holding ``.json``, ``.jsonl`` or ``.parquet`` files in one of the forms of
+:mod:`cluster_pipeline.data.formats`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from cluster_pipeline.data.formats import (
+    FIELDS_CONFIG_NAME,
+    SUPPORTED_SUFFIXES,
+    Sample,
+    data_files,
+    empty_file_reason,
+    read_dataset_folder,
+)
+from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
+from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+
+INSTRUCTION_SCHEMA = {
+    "sample_id": pl.String,
+    "split": pl.String,
+    "system": pl.String,
+    "prompt": pl.String,
+    "response": pl.String,
+    "form": pl.String,
+    "source_file": pl.String,
+    "source_line": pl.Int64,
+    # The kept conversation (JSON list of {role, content}) unless the record was one exchange.
+    "messages": pl.String,
+    # The function schemas (JSON list) the record gives the model; null when it has none.
+    "tools": pl.String,
+}
+
+
+# What Dagster refuses in a partition key (dagster/_core/definitions/partitions/utils/base.py).
+_INVALID_KEY_PARTS = ("...", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0")
+
+
+def dataset_name_problem(name: str) -> str | None:
+    """Why a folder name cannot be a dataset partition, or None if it can. Every name Dagster
+    accepts as a partition key is accepted (spaces and accents included), except hidden folders
+    and the built-in dataset's name."""
+    if name.startswith("."):
+        return "hidden folders (name starting with '.') are not datasets"
+    if name == STDLIB_DATASET:
+        return f"{STDLIB_DATASET!r} is the built-in dataset's name; rename the folder"
+    bad = [repr(part) for part in _INVALID_KEY_PARTS if part in name]
+    if bad:
+        return f"Dagster partition keys cannot contain {', '.join(bad)}; rename the folder"
+    return None
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why a visible folder holds no dataset, or None: no data file, or every data file holds
+    no record (:func:`~cluster_pipeline.data.formats.empty_file_reason`; the check stops at the
+    first file that may hold one)."""
+    files = data_files(folder)
+    if not files:
+        return (
+            f"{folder} holds no {', '.join(SUPPORTED_SUFFIXES)} file (eval.json and fields.json "
+            "are settings, not data); put the dataset's files there"
+        )
+    empty = []
+    for path in files:
+        reason = empty_file_reason(path)
+        if reason is None:
+            return None
+        empty.append(f"{path.relative_to(folder)} ({reason})")
+    shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    return f"every data file in {folder} holds no records: {shown}; put the dataset's records there"
+
+
+def _data_folders(raw_dir: Path) -> list[Path]:
+    if not raw_dir.is_dir():
+        return []
+    return [c for c in sorted(raw_dir.iterdir()) if c.is_dir() and _folder_problem(c) is None]
+
+
+def discover_datasets(raw_dir: Path) -> list[str]:
+    """Names of the dataset partitions: ``python_stdlib`` plus each ``raw_dir/<name>/`` folder
+    that holds at least one data file with records (an ``eval.json`` alone, or files that are
+    empty or whitespace, do not count) and whose name can be a partition key
+    (:func:`dataset_name_problem`). Sorted, built-in first."""
+    names = [c.name for c in _data_folders(raw_dir) if dataset_name_problem(c.name) is None]
+    return [STDLIB_DATASET, *names]
+
+
+def refused_datasets(raw_dir: Path) -> dict[str, str]:
+    """Folders under ``raw_dir`` that are not partitions, with the reason: data under a name
+    that cannot be a partition key, or a (visible) folder without data files or whose data
+    files all hold no record."""
+    out = {}
+    if not raw_dir.is_dir():
+        return out
+    for c in sorted(raw_dir.iterdir()):
+        if not c.is_dir():
+            continue
+        problem = _folder_problem(c)
+        if problem is None:
+            problem = dataset_name_problem(c.name)
+        elif c.name.startswith("."):
+            continue  # a hidden folder without data is nobody's dataset
+        if problem is not None:
+            out[c.name] = problem
+    return dict(sorted(out.items()))
+
+
+def load_samples(dataset: str, raw_dir: Path) -> Iterable[Sample]:
+    """The samples of a dataset partition, in source order.
+
+    Raises:
+        FileNotFoundError: no built-in dataset and no folder ``raw_dir/<dataset>``.
+        DatasetFormatError: a file or record is malformed.
+    """
+    if dataset == STDLIB_DATASET:
+        return iter_stdlib_samples()
+    folder = raw_dir / dataset
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"no folder {folder}. Create it and put .json/.jsonl/.parquet "
+            f"files in it, or use the built-in {STDLIB_DATASET!r}."
+        )
+    return read_dataset_folder(folder)
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    """Counts of one ``raw_instructions`` build; ``records_per_file`` maps each source file
+    (relative to the dataset folder where possible) to the records read from it.
+    ``dropped_turns`` (turns, by reason) and ``dropped_fields`` (occurrences, by field name)
+    sum :attr:`Sample.dropped_turns` / :attr:`Sample.dropped_fields` over every record read,
+    duplicates included: what the reader did not keep."""
+
+    records: int
+    duplicates: int
+    train: int
+    heldout: int
+    train_available: int
+    records_per_file: dict[str, int] = field(default_factory=dict)
+    dropped_turns: dict[str, int] = field(default_factory=dict)
+    dropped_fields: dict[str, int] = field(default_factory=dict)
+
+
+def _order_key(seed: int, sid: str) -> str:
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def build_instruction_table(
+    samples: Iterable[Sample],
+    heldout_fraction: float,
+    max_heldout: int | None,
+    max_train: int | None,
+    seed: int,
+) -> tuple[pl.DataFrame, SplitStats]:
+    """Deduplicate samples by ``sample_id`` and set aside the held-out split.
+
+    Samples are ordered by ``sha256(f"{seed}:{sample_id}")``, which is independent of file
+    order; the first ``ceil(heldout_fraction * N)`` (at most ``max_heldout``) are held out, the
+    next ``max_train`` (all if None) form the training pool. Samples past both caps are dropped:
+    the caps exist to size quick runs.
+
+    Returns:
+        The table (columns :data:`INSTRUCTION_SCHEMA`, rows in source order) and counts.
+
+    Raises:
+        ValueError: ``heldout_fraction`` outside [0, 1), or no sample left for training.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    rows: dict[str, Sample] = {}
+    records = 0
+    per_file: dict[str, int] = {}
+    turns: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
+    for s in samples:
+        records += 1
+        per_file[s.source_file] = per_file.get(s.source_file, 0) + 1
+        turns.update(s.dropped_turns)
+        fields.update(s.dropped_fields)
+        rows.setdefault(s.sample_id, s)
+    n = len(rows)
+    if n == 0:
+        raise ValueError("the dataset holds no samples")
+    order = sorted(rows, key=lambda sid: _order_key(seed, sid))
+    n_heldout = math.ceil(heldout_fraction * n)
+    if max_heldout is not None:
+        n_heldout = min(n_heldout, max_heldout)
+    train_available = n - n_heldout
+    if train_available <= 0:
+        raise ValueError(f"no training samples left: N={n}, held out {n_heldout}")
+    n_train = train_available if max_train is None else min(max_train, train_available)
+    split = {sid: "heldout" for sid in order[:n_heldout]}
+    split.update({sid: "train" for sid in order[n_heldout : n_heldout + n_train]})
+    kept = [(sid, s) for sid, s in rows.items() if sid in split]
+    frame = pl.DataFrame(
+        {
+            "sample_id": [sid for sid, _ in kept],
+            "split": [split[sid] for sid, _ in kept],
+            "system": [s.system for _, s in kept],
+            "prompt": [s.prompt for _, s in kept],
+            "response": [s.response for _, s in kept],
+            "form": [s.form for _, s in kept],
+            "source_file": [s.source_file for _, s in kept],
+            "source_line": [s.source_line for _, s in kept],
+            "messages": [s.messages for _, s in kept],
+            "tools": [s.tools for _, s in kept],
+        },
+        schema=INSTRUCTION_SCHEMA,
+    )
+    stats = SplitStats(
+        records,
+        records - n,
+        n_train,
+        n_heldout,
+        train_available,
+        per_file,
+        dict(sorted(turns.items())),
+        dict(sorted(fields.items())),
+    )
+    return frame, stats
+
+
+def source_fingerprint(dataset: str, raw_dir: Path) -> str:
+    """sha256 over the dataset's files (relative path and content, in sorted order): changes
+    exactly when the source content changes, not when files are merely touched.
+
+    For ``python_stdlib`` it is the interpreter's version and stdlib path.
+    """
+    h = hashlib.sha256()
+    if dataset == STDLIB_DATASET:
+        import sys
+
+        h.update(f"{sys.version}|{sys.prefix}".encode())
+        return h.hexdigest()[:16]
+    folder = raw_dir / dataset
+    fields = folder / FIELDS_CONFIG_NAME
+    for p in [*data_files(folder), *([fields] if fields.exists() else [])]:
+        h.update(f"{p.relative_to(folder)}\0".encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+# Columns added after the first tables were written; older versions read them as null (single
+# exchanges, no tools).
+_LATER_COLUMNS = ("messages", "tools")
+
+
+def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFrame:
+    """``columns`` of a ``raw_instructions`` table version. Versions written before the
+    ``messages`` or ``tools`` column existed read it as null."""
+    scan = pl.scan_delta(uri, version=version)
+    have = set(scan.collect_schema().names())
+    missing = [c for c in _LATER_COLUMNS if c in columns and c not in have]
+    return (
+        scan.with_columns([pl.lit(None, dtype=pl.String).alias(c) for c in missing])
+        .select(columns)
+        .collect()
+    )
+
+
+# What a sample is rendered from (tokenization.encode_rows).
+TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages", "tools"]
+# ... plus where it came from, so an error rendering it names its source file and line.
+EMBEDDING_COLUMNS = [*TRAINING_COLUMNS, "source_file", "source_line"]
+
+
+def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
+    """A content hash of the samples ``sample_ids`` (sorted, every column training reads) in a
+    ``raw_instructions`` table version: equal across table versions that hold the same samples,
+    so a re-materialized table with unchanged data keys the same checkpoint."""
+    from cluster_pipeline.storage.cache import stable_hash
+
+    rows = (
+        read_instructions(uri, version, TRAINING_COLUMNS)
+        .filter(pl.col("sample_id").is_in(sorted(sample_ids)))
+        .sort("sample_id")
+    )
+    # A sample without tools hashes as it did before the tools column existed.
+    return stable_hash([row[:-1] if row[-1] is None else row for row in rows.rows()])

@@ -1,0 +1,715 @@
+"""The comparison report: which models, evaluated once each (cached), seeds aggregated,
+paired comparisons with verdicts, and the Markdown/JSON report with its plots.
+
+The base model and every finished checkpoint of a dataset (other selectors, budgets, seeds)
+are evaluated on the same held-out split and benchmarks. Checkpoints are grouped by
+``<selector> r=<ratio>``; a group's metrics are the mean and sample standard deviation over its
+seeds. Each group is compared, item by item, with its references: the ``random_global`` group at
+the same ratio (the same budget without clusters), the ``full`` group (all data) and the base
+model; each comparison is a paired bootstrap interval over items and seeds with a verdict
+(:mod:`cluster_pipeline.evaluation.statistics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from cluster_pipeline.data import json_text
+from cluster_pipeline.data.formats import EVAL_CONFIG_NAME
+from cluster_pipeline.evaluation import plots
+from cluster_pipeline.evaluation.statistics import Comparison, paired_bootstrap
+from cluster_pipeline.evaluation.suites import BENCHMARKS, ItemScores, lower_is_better
+from cluster_pipeline.selection.selectors import REWEIGHTED_SELECTORS
+from cluster_pipeline.storage.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
+from cluster_pipeline.training.checkpointing import TRAINING_INFO, Checkpoint
+
+DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}
+
+
+def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
+    """The benchmarks that apply to a dataset partition: ``benchmarks`` in
+    ``data/raw/<dataset>/eval.json`` if present, else the built-in default (code benchmarks for
+    python_stdlib), else none (held-out loss only).
+
+    Raises:
+        ValueError: eval.json is not strict JSON (:class:`~cluster_pipeline.data.json_text.
+            JsonTextError`, at ``file:line:column``), not such an object, or names an unknown
+            benchmark.
+    """
+    path = raw_dir / dataset / EVAL_CONFIG_NAME
+    if path.exists():
+        value = json_text.load(path, 'Write one JSON object like {"benchmarks": ["mmlu_medical"]}.')
+        listed = value.get("benchmarks", []) if isinstance(value, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise ValueError(
+                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}}, got '
+                f"{json.dumps(value, ensure_ascii=False)[:120]}"
+            )
+        names = tuple(listed)
+        unknown = set(names) - set(BENCHMARKS)
+        if unknown:
+            raise ValueError(
+                f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}"
+            )
+        return names
+    return DEFAULT_BENCHMARKS.get(dataset, ())
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model to evaluate: the base model (``checkpoint`` None) or a fine-tuned checkpoint."""
+
+    name: str
+    group: str
+    path: str
+    checkpoint: Checkpoint | None = None
+    # The values of the setup settings that vary among the compared checkpoints.
+    setup: dict[str, Any] = field(default_factory=dict)
+
+    def cache_stamp(self) -> str:
+        """Changes when the model changes: a checkpoint folder rewritten in place (resumed,
+        retrained), or base model files replaced under the same path."""
+        if self.checkpoint:
+            return file_stamp(Path(self.path) / TRAINING_INFO)
+        return model_fingerprint(self.path)
+
+
+# Training settings that differ between runs of one setup (seeds) or do not change the model.
+RUN_ONLY_SETTINGS = frozenset(
+    {
+        "seed",
+        "resume",
+        "save_every_steps",
+        "keep_checkpoints",
+        "grad_cosine_every",
+        "grad_sketch_dim",
+    }
+)
+
+
+# Selection settings (recorded in a checkpoint's provenance) that make runs of a selector
+# different setups: the capacity slack alpha and the clustered representation change which
+# samples every selector but ``full`` trains on.
+SETUP_PROVENANCE = ("alpha", "representation")
+
+
+def setup_values(ckpt: Checkpoint) -> dict[str, Any]:
+    """The settings that define a checkpoint's setup, where they apply to its selector: every
+    training setting but :data:`RUN_ONLY_SETTINGS` (``reweight`` only for the re-weighted
+    selectors, whose weights it switches), and :data:`SETUP_PROVENANCE` for every selector but
+    ``full``. A key recorded by none of its runs reads None."""
+    selector = ckpt.provenance.get("selector")
+    values = {k: v for k, v in ckpt.settings.items() if k not in RUN_ONLY_SETTINGS}
+    if selector is not None and selector not in REWEIGHTED_SELECTORS:
+        values.pop("reweight", None)
+    if selector != "full":
+        values |= {k: ckpt.provenance.get(k) for k in SETUP_PROVENANCE}
+    return values
+
+
+def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
+    """The base model, then each checkpoint named by selector, ratio and its training /
+    selection seeds. Checkpoints written before provenance was recorded keep their folder
+    name as their group.
+
+    Checkpoints whose setups (:func:`setup_values`) differ, say in ``lora_r``, ``max_steps``,
+    ``reweight`` or the capacity slack ``alpha``, are different setups, not seeds of one: each
+    group then also names its values of the settings that vary among the checkpoints, e.g.
+    ``peripheral r=0.5 (alpha=1.0)``; an unrecorded value reads ``unrecorded``. A group is
+    compared only with references that agree with it on every setting both have
+    (:func:`references_of`)."""
+    values = [setup_values(c) for c in checkpoints]
+    keys = sorted({k for v in values for k in v})
+    varying = [
+        k
+        for k in keys
+        if len({json.dumps(v[k], sort_keys=True, default=str) for v in values if k in v}) > 1
+    ]
+    entries = [ModelEntry("base", "base", base_path)]
+    for ckpt, setup in zip(checkpoints, values, strict=True):
+        prov = ckpt.provenance
+        shown = {k: setup[k] for k in varying if k in setup}
+        label = ", ".join(f"{k}={'unrecorded' if v is None else v}" for k, v in shown.items())
+        group = (
+            f"{prov['selector']} r={prov.get('ratio')}"
+            if "selector" in prov
+            else f"checkpoint {ckpt.path.name}"
+        ) + (f" ({label})" if label else "")
+        seeds = f"seed {ckpt.settings.get('seed', 0)}/{prov.get('selection_seed', 0)}"
+        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt, shown))
+    return entries
+
+
+@dataclass
+class ModelResult:
+    """Evaluation of one model. ``group`` names what seeds are aggregated over (e.g.
+    ``peripheral r=0.5``); ``metrics`` maps metric name -> value, ``items`` metric name ->
+    per-item scores. ``selection_seconds`` is the cost of the selection that produced the
+    checkpoint (embedding pass, clustering, subsets, shards), ``gradient_diversity`` that of its
+    subset, ``grad_cosine`` the mean inter-rank gradient cosine logged during training."""
+
+    name: str
+    group: str
+    path: str
+    metrics: dict[str, float]
+    items: dict[str, ItemScores] = field(default_factory=dict)
+    selector: str | None = None
+    ratio: float | None = None
+    train_seconds: float | None = None
+    selection_seconds: float | None = None
+    data_fraction: float | None = None
+    gradient_diversity: float | None = None
+    grad_cosine: float | None = None
+    current: bool = False
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)
+    rank_weights: list[float] | None = None
+    # Real tokens / (ranks x the busiest rank's tensor tokens) over the run (training/plan.py).
+    useful_compute_fraction: float | None = None
+
+
+def evaluate_entries(
+    entries: list[ModelEntry],
+    evaluate: Callable[[str], dict[str, Any]],
+    cache: JsonCache,
+    settings_key: str,
+    current: str,
+    log: Callable[[str], None] = print,
+) -> tuple[list[ModelResult], dict[str, Any]]:
+    """Evaluate every entry with ``evaluate(path)`` (see
+    :func:`~cluster_pipeline.evaluation.suites.evaluate_model`), reusing ``cache`` entries keyed
+    by model path + stamp and ``settings_key``.
+
+    Returns (one result per entry, in order; ``{"tokens": held-out response tokens,
+    "sequences": skipped and truncated held-out samples}`` of the last evaluation).
+    """
+    results, heldout = [], {"tokens": 0, "sequences": {}}
+    for entry in entries:
+        key = f"{stable_hash(entry.cache_stamp(), length=12)}-{settings_key}"
+        outcome = cache.get(key)
+        if outcome is not None and "items" in outcome:
+            log(f"{entry.name}: cached evaluation {cache.path(key).name}")
+        else:
+            log(f"evaluating {entry.name}: {entry.path}")
+            outcome = evaluate(entry.path)
+            cache.put(key, outcome)
+        heldout = {
+            "tokens": outcome["heldout_tokens"],
+            "sequences": outcome.get("heldout_sequences", {}),
+        }
+        ckpt = entry.checkpoint
+        prov = ckpt.provenance if ckpt else {}
+        results.append(
+            ModelResult(
+                name=entry.name,
+                group=entry.group,
+                path=entry.path,
+                metrics=outcome["metrics"],
+                items={k: ItemScores(**v) for k, v in outcome["items"].items()},
+                selector=prov.get("selector"),
+                ratio=prov.get("ratio"),
+                train_seconds=ckpt.train_seconds if ckpt else None,
+                selection_seconds=prov.get("selection_seconds"),
+                data_fraction=ckpt.data_fraction if ckpt else None,
+                gradient_diversity=prov.get("gradient_diversity"),
+                grad_cosine=ckpt.mean_grad_cosine() if ckpt else None,
+                useful_compute_fraction=ckpt.info.get("useful_compute_fraction") if ckpt else None,
+                current=Path(entry.path) == Path(current),
+                loss_curve=ckpt.loss_curve() if ckpt else [],
+                setup=entry.setup,
+                rank_weights=ckpt.info.get("rank_weights") if ckpt else None,
+            )
+        )
+    return results, heldout
+
+
+# Per-run quantities besides the metrics that the report aggregates over seeds.
+RUN_COLUMNS = (
+    "train_seconds",
+    "selection_seconds",
+    "data_fraction",
+    "gradient_diversity",
+    "grad_cosine",
+    "useful_compute_fraction",
+)
+
+
+def aggregate(results: list[ModelResult], metric_names: list[str]) -> list[dict]:
+    """One row per group: n (runs), and mean / std (sample std, 0 for one run) of every metric
+    and of :data:`RUN_COLUMNS`. Groups keep the order of first appearance."""
+    groups: dict[str, list[ModelResult]] = {}
+    for r in results:
+        groups.setdefault(r.group, []).append(r)
+    rows = []
+    for group, members in groups.items():
+        row: dict[str, Any] = {
+            "group": group,
+            "n": len(members),
+            "current": any(m.current for m in members),
+            "selector": members[0].selector,
+            "ratio": members[0].ratio,
+            "setup": members[0].setup,
+        }
+        columns = {m: [x.metrics.get(m, math.nan) for x in members] for m in metric_names}
+        for name in RUN_COLUMNS:
+            columns[name] = [getattr(x, name) for x in members]
+        for name, values in columns.items():
+            arr = np.asarray([math.nan if v is None else v for v in values], dtype=float)
+            row[name] = float(np.nanmean(arr)) if np.isfinite(arr).any() else math.nan
+            row[f"{name}_std"] = (
+                float(np.nanstd(arr, ddof=1)) if np.isfinite(arr).sum() > 1 else 0.0
+            )
+        rows.append(row)
+    return rows
+
+
+ITEM_SCORE_SCHEMA = {
+    "model": pl.String,
+    "group": pl.String,
+    "path": pl.String,
+    "metric": pl.String,
+    "item": pl.String,
+    "weight": pl.Float64,
+    "value": pl.Float64,
+}
+
+
+def item_scores_frame(results: list[ModelResult]) -> pl.DataFrame:
+    """The ``eval_item_scores`` table: one row per (model, metric, item) with the item's weight
+    (response tokens for token-weighted metrics) and score (e.g. the held-out sample's mean
+    loss in nats/token, 1/0 for a solved problem)."""
+    rows: dict[str, list] = {k: [] for k in ITEM_SCORE_SCHEMA}
+    for r in results:
+        for metric, scores in r.items.items():
+            n = len(scores.ids)
+            rows["model"] += [r.name] * n
+            rows["group"] += [r.group] * n
+            rows["path"] += [r.path] * n
+            rows["metric"] += [metric] * n
+            rows["item"] += scores.ids
+            rows["weight"] += scores.weights
+            rows["value"] += scores.values
+    return pl.DataFrame(rows, schema=ITEM_SCORE_SCHEMA)
+
+
+def _stack(members: list[ModelResult], metric: str, ids: list[str]) -> np.ndarray:
+    """(seeds, items) scores of ``metric`` for ``ids``, one row per member."""
+    rows = []
+    for m in members:
+        by_id = dict(zip(m.items[metric].ids, m.items[metric].values, strict=True))
+        rows.append([by_id[i] for i in ids])
+    return np.asarray(rows, dtype=np.float64)
+
+
+def references_of(group: str, rows: list[dict]) -> list[str]:
+    """The groups a group is compared with: random_global at the same ratio (unless it is
+    one), full data, each agreeing with the group on every setup setting both have (so
+    ``peripheral (reweight=False)`` meets the random_global and full runs, which have no
+    weights to switch, and ``peripheral (alpha=1.0)`` the full runs, which no alpha changes),
+    and the base model."""
+    me = next(r for r in rows if r["group"] == group)
+    mine = me.get("setup", {})
+
+    def agrees(r: dict) -> bool:
+        theirs = r.get("setup", {})
+        return all(theirs[k] == v for k, v in mine.items() if k in theirs)
+
+    same = [r for r in rows if r["group"] != group and agrees(r)]
+    refs = [
+        r["group"]
+        for r in same
+        if r["selector"] == "random_global"
+        and r["ratio"] == me["ratio"]
+        and me["selector"] != "full"
+    ]
+    refs += [r["group"] for r in same if r["selector"] == "full"]
+    return [*refs, "base"]
+
+
+def compare_groups(
+    results: list[ModelResult],
+    rows: list[dict],
+    n_resamples: int = 2000,
+    seed: int = 0,
+    extra_pairs: Sequence[tuple[str, str]] = (),
+) -> list[Comparison]:
+    """Every non-base group against each of its :func:`references_of` (and each
+    ``(candidate, reference)`` group pair of ``extra_pairs``), on every metric with per-item
+    scores that both have (but those where every model scores 0), over the items all their runs
+    share (at least 2)."""
+    groups: dict[str, list[ModelResult]] = {}
+    for r in results:
+        groups.setdefault(r.group, []).append(r)
+    zeros = set(zero_metrics(results))
+    pairs = [(g, ref) for g in groups if g != "base" for ref in references_of(g, rows)]
+    pairs += [p for p in extra_pairs if p not in pairs]
+    out = []
+    for group, ref in pairs:
+        members, others = groups[group], groups[ref]
+        both = [*members, *others]
+        metrics = [
+            m for m in members[0].items if m not in zeros and all(m in x.items for x in both)
+        ]
+        for metric in metrics:
+            shared = set.intersection(*(set(x.items[metric].ids) for x in both))
+            ids = [i for i in members[0].items[metric].ids if i in shared]
+            if len(ids) < 2:
+                continue
+            weights = dict(
+                zip(members[0].items[metric].ids, members[0].items[metric].weights, strict=True)
+            )
+            out.append(
+                paired_bootstrap(
+                    _stack(members, metric, ids),
+                    _stack(others, metric, ids),
+                    np.asarray([weights[i] for i in ids]),
+                    metric=metric,
+                    names=(group, ref),
+                    lower_is_better=lower_is_better(metric),
+                    n_resamples=n_resamples,
+                    seed=seed,
+                )
+            )
+    return out
+
+
+def _fmt(value: float | None, std: float, n: int, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f} ± {std:.{digits}f}" if n > 1 else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
+    """The side-by-side table: one line per group, ``mean ± std`` where several seeds ran."""
+    head = ["model", "runs", "data fraction", "train s", *metric_names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        name = f"**{r['group']}**" if r["current"] else r["group"]
+        cells = [
+            name,
+            str(r["n"]),
+            _fmt(r["data_fraction"], r["data_fraction_std"], r["n"], 3),
+            _fmt(r["train_seconds"], r["train_seconds_std"], r["n"], 1),
+        ]
+        cells += [_fmt(r[m], r[f"{m}_std"], r["n"]) for m in metric_names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: list[dict], full_seconds: float | None) -> str:
+    """Per group: selection and training seconds, the net time saved against full-data
+    training (selection counted), the share of training compute spent on real tokens, and the
+    mechanism: gradient diversity of the subset and the mean inter-rank gradient cosine during
+    training."""
+    head = [
+        "model",
+        "selection s",
+        "train s",
+        "selection + train s",
+        "net saved s",
+        "useful compute",
+        "gradient diversity",
+        "inter-rank grad cosine",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["group"] == "base":
+            continue
+        n = r["n"]
+        total = r["selection_seconds"] + r["train_seconds"]
+        saved = full_seconds - total if full_seconds is not None else math.nan
+        name = f"**{r['group']}**" if r["current"] else r["group"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    _fmt(r["selection_seconds"], r["selection_seconds_std"], n, 1),
+                    _fmt(r["train_seconds"], r["train_seconds_std"], n, 1),
+                    _fmt(total, 0.0, 1, 1),
+                    _fmt(saved, 0.0, 1, 1),
+                    _fmt(r["useful_compute_fraction"], r["useful_compute_fraction_std"], n, 3),
+                    _fmt(r["gradient_diversity"], r["gradient_diversity_std"], n, 4),
+                    _fmt(r["grad_cosine"], r["grad_cosine_std"], n, 4),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _signed(v: float, digits: int = 4) -> str:
+    return f"{v:+.{digits}f}"
+
+
+def comparison_table(comparisons: list[Comparison]) -> str:
+    """One line per comparison: difference with its 95 % interval, relative difference,
+    minimum detectable difference and the verdict."""
+    head = [
+        "model",
+        "vs",
+        "metric",
+        "difference [95 % CI]",
+        "relative",
+        "detectable",
+        "runs",
+        "verdict",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in comparisons:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c.candidate,
+                    c.reference,
+                    c.metric,
+                    f"{_signed(c.difference)} [{_signed(c.low)}, {_signed(c.high)}]",
+                    f"{100 * c.relative:+.2f} %" if math.isfinite(c.relative) else "-",
+                    f"{c.min_detectable:.4f}",
+                    f"{c.candidate_seeds} vs {c.reference_seeds}",
+                    f"**{c.verdict}**",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def verdict_sentences(comparisons: list[Comparison], group: str) -> list[str]:
+    """Plain-words verdicts of one group against its references."""
+    out = []
+    for c in comparisons:
+        if c.candidate != group:
+            continue
+        direction = "lower is better" if c.lower_is_better else "higher is better"
+        out.append(
+            f"- against **{c.reference}** on {c.metric} ({direction}): **{c.verdict}** "
+            f"({_signed(c.difference)}, 95 % CI [{_signed(c.low)}, {_signed(c.high)}]; "
+            f"differences under {c.min_detectable:.4f} are not reliably detected here)"
+        )
+    return out
+
+
+def zero_metrics(results: list[ModelResult]) -> list[str]:
+    """Pass@1 columns where every model scored 0 (nothing to plot or compare)."""
+    names = {m for r in results for m in r.metrics if m.endswith("_pass@1")}
+    return sorted(m for m in names if all(r.metrics.get(m, 0.0) == 0.0 for r in results))
+
+
+def report_plots(
+    results: list[ModelResult], rows: list[dict], metric_names: list[str]
+) -> dict[str, bytes]:
+    """PNG plots: metric bars per model group (metrics where every model scores 0 left out),
+    training loss curves, time vs data fraction, and the decision picture."""
+    shown = [m for m in metric_names if m not in zero_metrics(results)]
+    out = {
+        "metrics.png": plots.metric_bars(
+            {r["group"]: {m: r[m] for m in shown} for r in rows},
+            errors={r["group"]: {m: r[f"{m}_std"] for m in shown} for r in rows},
+        )
+    }
+    curves = {r.name: r.loss_curve for r in results if r.loss_curve}
+    if curves:
+        out["loss_curves.png"] = plots.named_curves(curves, "optimizer step", "training loss")
+    points = [
+        (r.data_fraction, r.train_seconds, r.name)
+        for r in results
+        if r.data_fraction is not None and r.train_seconds is not None
+    ]
+    if points:
+        out["time_vs_fraction.png"] = plots.scatter_labelled(
+            points, "data fraction", "training seconds"
+        )
+    trained = [r for r in rows if r["group"] != "base" and r["selector"]]
+    if trained:
+        out["decision.png"] = plots.decision(trained, "heldout_loss")
+    return out
+
+
+@dataclass(frozen=True)
+class Report:
+    """The rendered comparison. ``summary`` is the Markdown without images; ``pngs`` maps file
+    name -> PNG bytes; ``document`` is the JSON form."""
+
+    summary: str
+    pngs: dict[str, bytes]
+    document: dict[str, Any]
+    rows: list[dict]
+    comparisons: list[Comparison]
+    train_seconds: float
+    data_fraction: float
+    full_training_seconds: float
+    full_training_measured: bool
+
+    def markdown(self) -> str:
+        """The standalone report: summary plus the plots as sibling PNG files."""
+        return self.summary + "\n" + "\n".join(f"![{n}]({n})" for n in self.pngs) + "\n"
+
+    def write(self, folder: Path) -> Path:
+        """Write ``eval_report.md``, ``eval_report.json`` and the PNGs; returns the .md path."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, png in self.pngs.items():
+            (folder / name).write_bytes(png)
+        (folder / "eval_report.json").write_text(json.dumps(self.document, indent=1, default=str))
+        path = folder / "eval_report.md"
+        path.write_text(self.markdown())
+        return path
+
+
+def _net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
+    """The report's first line: what this run cost against full-data training."""
+    saved = full_s - selection_s - train_s
+    pct = f" ({100 * saved / full_s:+.0f} % of full-data training)" if full_s > 0 else ""
+    how = "measured" if measured else "estimated as training / data fraction"
+    return (
+        f"**Net time saved: {saved:.1f} s**{pct}: selection {selection_s:.1f} s + training "
+        f"{train_s:.1f} s against full-data training {full_s:.1f} s ({how}).\n\n"
+    )
+
+
+def _sequence_note(sequences: dict[str, dict[str, int]]) -> str:
+    parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
+    parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def render_report(
+    dataset: str,
+    results: list[ModelResult],
+    heldout_samples: int,
+    heldout_tokens: int,
+    suite_sizes: dict[str, int],
+    skipped: dict[str, str],
+    selection_seconds: float,
+    n_resamples: int = 2000,
+    heldout_sequences: dict[str, dict[str, int]] | None = None,
+    unsafe_sandbox: str | None = None,
+) -> Report:
+    """Aggregate ``results`` (one must be ``current``), compare every group with its
+    references, and render the report: the verdicts of the current run, the side-by-side table,
+    the comparisons, and cost and mechanism per group. Full-data training time is the measured
+    mean of the ``full`` group when there is one, else estimated as measured training seconds /
+    data fraction (training time is linear in samples at a fixed number of epochs;
+    docs/design.md, "Evaluation"), and labelled so. ``unsafe_sandbox`` (why isolation was
+    unavailable, when generated code ran without it) opens the report.
+
+    Raises:
+        StopIteration: no result is marked ``current``.
+    """
+    metric_names = list(results[0].metrics)
+    rows = aggregate(results, metric_names)
+    comparisons = compare_groups(results, rows, n_resamples=n_resamples)
+    current_row = next(r for r in rows if r["current"])
+    current_result = next(r for r in results if r.current)
+    weights = current_result.rank_weights
+    train_s = float(current_row["train_seconds"])
+    fraction = float(current_row["data_fraction"])
+    full_rows = [r for r in rows if r["selector"] == "full"]
+    measured = bool(full_rows)
+    full_s = (
+        float(full_rows[0]["train_seconds"])
+        if measured
+        else train_s / fraction
+        if fraction > 0
+        else float("nan")
+    )
+    full_label = (
+        "full-data training (measured, mean over its runs)"
+        if measured
+        else "full-data training (estimate: measured / fraction; no full-data run)"
+    )
+    zeros = zero_metrics(results)
+    heldout = [c for c in comparisons if c.metric == "heldout_loss"]
+    mdd = (
+        f" The smallest held-out loss difference these comparisons detect reliably (80 % "
+        f"power, 5 % level) is {min(c.min_detectable for c in heldout):.4f}"
+        f"-{max(c.min_detectable for c in heldout):.4f} nats/token."
+        if heldout
+        else ""
+    )
+    sentences = verdict_sentences(comparisons, current_row["group"])
+    summary = (
+        f"## eval_report: `{dataset}`\n\n"
+        + (
+            f"**Generated code ran without isolation** (`unsafe_sandbox: true`; {unsafe_sandbox}"
+            ") so pass@1 programs could read and write what the evaluator can.\n\n"
+            if unsafe_sandbox
+            else ""
+        )
+        + _net_saving_line(selection_seconds, train_s, full_s, measured)
+        + f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
+        + _sequence_note(heldout_sequences or {})
+        + ". "
+        f"Benchmarks: {', '.join(f'{k} ({v})' for k, v in suite_sizes.items()) or 'none'}"
+        + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else "")
+        + ". Greedy decoding; bold = the checkpoint of this run; ± = std over seeds.\n\n"
+        + f"### Was the subset worth it? `{current_row['group']}`\n\n"
+        + ("\n".join(sentences) if sentences else "- no reference to compare with")
+        + "\n\nPaired 95 % bootstrap intervals over the same held-out samples / problems "
+        "(seeds resampled too where several ran). Held-out loss is measured on a random split of "
+        "the same pool, which favours a random subset by construction; judge the benchmark rows "
+        "(solution NLL, pass@1, accuracy) as well."
+        + mdd
+        + "\n\n"
+        + markdown_table(rows, metric_names)
+        + (
+            "\n\n"
+            + "; ".join(f"every model scores 0 on {m}" for m in zeros)
+            + " (not plotted: the benchmark is too hard for these models)."
+            if zeros
+            else ""
+        )
+        + "\n\n### Comparisons\n\n"
+        + (comparison_table(comparisons) if comparisons else "no pairs to compare")
+        + "\n\n### Cost and mechanism\n\n"
+        + cost_table(rows, full_s)
+        + "\n\n| cost of the bold run | value |\n|---|---|\n"
+        f"| selection: embedding pass + clustering + subsets + shards (model load excluded) | "
+        f"{selection_seconds:.1f} s |\n"
+        f"| training (measured) | {train_s:.1f} s at data fraction {fraction:.3f} |\n"
+        + (
+            f"| useful compute (real tokens / ranks x busiest rank's tensor tokens, per step) | "
+            f"{current_result.useful_compute_fraction:.3f} |\n"
+            if current_result.useful_compute_fraction is not None
+            else ""
+        )
+        + (
+            f"| rank weights (loss multipliers w_c = n_c K / N, rank order) | "
+            f"{', '.join(f'{w:.4f}' for w in weights)} |\n"
+            if weights
+            else ""
+        )
+        + f"| {full_label} | {full_s:.1f} s |\n"
+        f"| net time saved (full - selection - training) | "
+        f"{full_s - selection_seconds - train_s:.1f} s |\n"
+    )
+    document = {
+        "dataset": dataset,
+        "rows": rows,
+        "comparisons": [c.to_dict() for c in comparisons],
+        "models": [{k: v for k, v in r.__dict__.items() if k != "items"} for r in results],
+        "skipped": skipped,
+        "selection_seconds": selection_seconds,
+        "full_training_seconds": full_s,
+        "full_training_measured": measured,
+    }
+    return Report(
+        summary,
+        report_plots(results, rows, metric_names),
+        document,
+        rows,
+        comparisons,
+        train_s,
+        fraction,
+        full_s,
+        measured,
+    )

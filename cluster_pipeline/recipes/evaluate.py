@@ -1,0 +1,45 @@
+"""Evaluate one model (held-out loss, benchmarks) in its own process under torchrun.
+
+    torchrun --standalone --nproc_per_node=1 -m cluster_pipeline.recipes.evaluate --config job.json
+
+``eval_report`` runs one such process per model, so a process that dies (the kernel's
+out-of-memory killer, a crash in native code) is named with its signal and likely cause exactly
+like an embedding or training rank, and the step process survives to say so. The outcome of
+:func:`~cluster_pipeline.evaluation.suites.evaluate_model` is written as JSON to the job's
+``output`` (atomically: a killed process leaves no partial file).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from cluster_pipeline.evaluation.suites import evaluate_model, load_suites
+from cluster_pipeline.training.config import EvalJob
+from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_point
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    run_entry_point(EvalJob, evaluate, argv, __doc__ or "")
+
+
+def evaluate(job: EvalJob, env: DistEnv, report: Reporter) -> None:
+    """Evaluate ``job.model_path`` on the held-out split of the pinned table and the job's
+    benchmarks; rank 0 writes the outcome to ``job.output``."""
+    heldout = pl.read_delta(job.instructions_uri, version=job.instructions_version).filter(
+        pl.col("split") == "heldout"
+    )
+    suites, _ = load_suites(job.benchmarks, job.settings, [Path(f) for f in job.eval_folders])
+    outcome = evaluate_model(job.model_path, heldout, suites, job.settings, report.info)
+    if env.is_main:
+        out = Path(job.output)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(outcome, default=str))
+        os.replace(tmp, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Where everything lives under the data folder: the one module that knows the paths.
+
+::
+
+    <data>/raw/<dataset>/...                  inputs (tracked), plus the dataset's eval.json
+    <data>/eval/                              benchmark files (mbpp_reworded.json, mmlu.jsonl)
+    <data>/models/<name>/                     the built-in base model, converted once
+    <data>/tables/<asset>/<dataset>/          one Delta table per stage and dataset
+    <data>/cache/embeddings/<dataset>/<key>/  resumable chunks of an embedding pass
+    <data>/shards/<dataset>/<hash[:16]>/      shard manifests, a folder per content hash
+    <data>/checkpoints/<dataset>/<name>/      fine-tuned checkpoints (see training/checkpointing.py)
+    <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
+
+The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
+(docs/design.md, "Storage layout"). Generated paths name a dataset by :func:`storage_name`: the
+name itself when it is plain ASCII (letters, digits, ``._-``), else a readable ASCII form with a
+hash of the name (``my data`` -> ``my_data-b2167b0a``), because Delta and Parquet readers take
+paths as URLs and mangle spaces and accents. Inputs stay under ``raw/<name>/`` as the user named
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR_ENV = "CLUSTER_PIPELINE_DATA_DIR"
+# Public evaluation sets shipped beside the project on its build machines (absent elsewhere).
+SHARED_EVAL_DIR = PROJECT_ROOT.parent / "shared" / "datasets" / "eval"
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def storage_name(dataset: str) -> str:
+    """The folder name of a dataset's generated files (module docstring). Distinct names give
+    distinct folders."""
+    if _PLAIN.match(dataset) and not dataset.startswith("."):
+        return dataset
+    ascii_ = unicodedata.normalize("NFKD", dataset).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ascii_).strip("._") or "dataset"
+    return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
+
+
+def default_data_dir() -> str:
+    """``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``."""
+    return os.environ.get(DATA_DIR_ENV) or str(PROJECT_ROOT / "data")
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Paths under one data folder. Methods only name paths; writers create what they write."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, data_dir: str | Path) -> DataLayout:
+        return cls(Path(data_dir).resolve())
+
+    @property
+    def raw_dir(self) -> Path:
+        return self.root / "raw"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / "eval"
+
+    def table_uri(self, asset: str, dataset: str) -> str:
+        """The Delta table of stage ``asset`` for ``dataset`` (every version lives there)."""
+        return str(self.root / "tables" / asset / storage_name(dataset))
+
+    def embedding_cache_dir(self, dataset: str, key: str) -> Path:
+        return self.root / "cache" / "embeddings" / storage_name(dataset) / key
+
+    def shards_dir(self, dataset: str, manifest_set_sha256: str) -> Path:
+        return self.root / "shards" / storage_name(dataset) / manifest_set_sha256[:16]
+
+    def checkpoints_dir(self, dataset: str) -> Path:
+        return self.root / "checkpoints" / storage_name(dataset)
+
+    def reports_dir(self, dataset: str) -> Path:
+        return self.root / "reports" / storage_name(dataset)
+
+    def eval_cache_dir(self, dataset: str) -> Path:
+        return self.reports_dir(dataset) / "evals"
+
+    def datasets_with_tables(self, asset: str = "raw_instructions") -> list[str]:
+        """Datasets that have a table of ``asset`` (for error messages)."""
+        folder = self.root / "tables" / asset
+        return sorted(p.name for p in folder.glob("*")) if folder.is_dir() else []

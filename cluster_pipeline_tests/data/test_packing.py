@@ -1,0 +1,174 @@
+"""Packed batches against padded ones: the same outputs, losses and gradients per sample."""
+
+import numpy as np
+import pytest
+import torch
+
+from cluster_pipeline.selection.embedding import embed_batch, embed_samples
+from cluster_pipeline.data.packing import (
+    can_pack,
+    collate_rows,
+    pack_rows,
+    padded_tokens,
+    real_tokens,
+    token_batches,
+)
+from cluster_pipeline.data.tokenization import IGNORE_INDEX, EncodedSample, encode_sample
+from cluster_pipeline.training.step import token_loss_sum
+from cluster_pipeline_tests.selection.test_embedding import SAMPLES
+
+
+def test_first_fit_decreasing_by_hand():
+    # Sorted 5, 4, 3, 3, 2 into rows of 8: 5 | 4 | 5+3 | 4+3 | 2 opens a third row.
+    assert pack_rows([5, 4, 3, 3, 2], 8) == [[0, 2], [1, 3], [4]]
+    # A sample longer than the bound gets a row of its own.
+    assert pack_rows([10, 1], 8) == [[0], [1]]
+    with pytest.raises(ValueError, match="max_row_tokens"):
+        pack_rows([1], 0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_batches_place_every_sample_once_within_the_bounds(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, 200).tolist()
+    batches = token_batches(lengths, max_batch_tokens=1000, max_row_tokens=256)
+    flat = [i for b in batches for row in b for i in row]
+    assert sorted(flat) == list(range(200))
+    for b in batches:
+        assert sum(lengths[i] for row in b for i in row) <= 1000 or sum(len(r) for r in b) == 1
+        for row in b:
+            assert sum(lengths[i] for i in row) <= 256 or len(row) == 1
+
+
+def _sample(ids, labels):
+    return EncodedSample(ids, labels, sum(x != IGNORE_INDEX for x in labels), False)
+
+
+def test_collate_rows_restarts_positions_and_masks_each_first_label():
+    a = _sample([5, 6, 7], [5, 6, 7])  # every label trained, the first one included
+    b = _sample([8, 9], [IGNORE_INDEX, 9])
+    c = _sample([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 3, 4])
+    batch = collate_rows([a, b, c], [[0, 1], [2]], pad_token_id=0)
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, -100, 3, 4, -100]]
+    assert batch["sample_index"].tolist() == [[0, 0, 0, 1, 1], [2, 2, 2, 2, -1]]
+    assert real_tokens(batch) == 9 and padded_tokens(batch) == 10
+    padded = collate_rows([a, b], [[0], [1]], pad_token_id=0, packed=False)
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    with pytest.raises(ValueError, match="one sample per row"):
+        collate_rows([a, b], [[0, 1]], pad_token_id=0, packed=False)
+
+
+@pytest.fixture
+def encoded(tiny_tokenizer):
+    return [encode_sample(tiny_tokenizer, *s, max_length=128) for s in SAMPLES]
+
+
+def test_the_tiny_model_packs(tiny_model):
+    assert can_pack(tiny_model)
+
+
+def test_packed_embeddings_equal_padded_ones(tiny_model, tiny_tokenizer, encoded):
+    pad = tiny_tokenizer.pad_token_id
+    padded = embed_batch(tiny_model, collate_rows(encoded, [[i] for i in range(8)], pad, False))
+    rows = [[0, 3, 5], [1, 2], [4, 6, 7]]
+    packed = embed_batch(tiny_model, collate_rows(encoded, rows, pad, packed=True))
+    order = [i for row in rows for i in row]
+    np.testing.assert_allclose(packed.embedding, padded.embedding[order], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed.hidden_mean, padded.hidden_mean[order], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed.mean_loss, padded.mean_loss[order], rtol=1e-5)
+    assert packed.n_response_tokens.tolist() == padded.n_response_tokens[order].tolist()
+    # Through embed_samples: packed and padded batching give the same table, in input order.
+    a, was_packed = embed_samples(tiny_model, encoded, pad, max_packed_length=64)
+    b, was_padded = embed_samples(tiny_model, encoded, pad, packing=False)
+    assert was_packed and not was_padded
+    np.testing.assert_allclose(a.embedding, b.embedding, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.mean_loss, b.mean_loss, rtol=1e-5)
+
+
+def _per_sample_losses_and_grads(model, batch, n):
+    """Each sample's summed target cross-entropy and the gradient of their total."""
+    model.zero_grad()
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    ).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    owner = batch["sample_index"][:, 1:].flatten()
+    keep = batch["labels"][:, 1:].flatten() != IGNORE_INDEX
+    losses = torch.zeros(n).index_add_(0, owner[keep], ce[keep])
+    total = token_loss_sum(logits, batch["labels"])
+    torch.testing.assert_close(total, losses.sum(), rtol=1e-6, atol=1e-5)
+    total.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return losses.detach(), grads
+
+
+def _check_packed_equals_padded(model, encoded, pad, rows, tolerance):
+    model.train()
+    try:
+        _compare(model, encoded, pad, rows, tolerance)
+    finally:
+        model.eval()
+
+
+def _compare(model, encoded, pad, rows, tolerance):
+    n = len(encoded)
+    padded = collate_rows(encoded, [[i] for i in range(n)], pad, packed=False)
+    loss_pad, grad_pad = _per_sample_losses_and_grads(model, padded, n)
+    packed = collate_rows(encoded, rows, pad, packed=True)
+    loss_pack, grad_pack = _per_sample_losses_and_grads(model, packed, n)
+    order = [i for row in rows for i in row]
+    torch.testing.assert_close(loss_pack, loss_pad[order], rtol=tolerance, atol=tolerance)
+    # Gradients sum over every token of the batch in another order: their float32 rounding is
+    # measured relative to each parameter tensor's gradient norm.
+    worst = max(
+        float((grad_pack[k] - grad_pad[k]).norm() / grad_pad[k].norm().clamp(min=1e-30))
+        for k in grad_pad
+    )
+    assert worst <= tolerance, worst
+    # Without the restarted positions (one sequence per row) the losses differ: the test can
+    # tell packed attention from attention across samples.
+    crossed = dict(packed)
+    crossed["position_ids"] = torch.arange(packed["input_ids"].shape[1]).expand_as(
+        packed["input_ids"]
+    )
+    loss_crossed, _ = _per_sample_losses_and_grads(model, crossed, n)
+    assert not torch.allclose(loss_crossed, loss_pad[order], rtol=1e-3)
+    return worst
+
+
+def test_packed_losses_and_gradients_equal_padded_ones_on_the_tiny_model(
+    tiny_model, tiny_tokenizer, encoded
+):
+    # float32: every per-sample loss and every parameter gradient within 1e-5.
+    _check_packed_equals_padded(
+        tiny_model, encoded, tiny_tokenizer.pad_token_id, [[0, 3, 5], [1, 2], [4, 6, 7]], 1e-5
+    )
+
+
+@pytest.mark.slow
+def test_packed_losses_and_gradients_equal_padded_ones_on_smollm2():
+    from cluster_pipeline.storage.layout import PROJECT_ROOT
+    from cluster_pipeline.models.loading import (
+        BUILTIN_MODEL,
+        load_model_and_tokenizer,
+        resolve_model,
+    )
+
+    try:  # the folder `make run` converts the model into (about 30 s the first time)
+        path = resolve_model(BUILTIN_MODEL, PROJECT_ROOT / "data" / "models")
+    except Exception as e:  # noqa: BLE001 - any failure to find the package
+        pytest.skip(f"the built-in model is not installed ({e}); run `make setup`")
+    model, tok = load_model_and_tokenizer(path)
+    encoded = [encode_sample(tok, *s, max_length=128) for s in SAMPLES[:6]]
+    _check_packed_equals_padded(model, encoded, tok.pad_token_id, [[0, 1, 2], [3, 4, 5]], 1e-5)

@@ -1,0 +1,499 @@
+"""The torchrun training entry: re-weighting equals the stratified gradient, resume after a
+kill reaches the same weights, and unequal shards are refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster_pipeline.data.tokenization import collate, encode_sample
+from cluster_pipeline.recipes.train import lr_lambda
+from cluster_pipeline.selection.sharding import ShardManifest
+from cluster_pipeline.training.config import TrainJob, TrainSettings
+from cluster_pipeline.training.plan import plan_padded
+from cluster_pipeline_tests.helpers import torchrun, train_job
+
+TRAIN = "cluster_pipeline.recipes.train"
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+ONE_STEP = dict(
+    per_device_batch_size=2,
+    max_steps=1,
+    learning_rate=1e-3,
+    warmup_ratio=0.0,
+    schedule="constant",
+    max_grad_norm=1e9,
+)
+
+
+def _shard_gradients(model, tok, cfg: TrainJob, table) -> list[dict[str, torch.Tensor]]:
+    """Per shard manifest, the mean-token-loss gradient g_c of every trainable parameter, in
+    one process."""
+    import polars as pl
+
+    rows = pl.read_delta(table.uri)
+    grads = []
+    for path in cfg.manifests:
+        m = ShardManifest.read(Path(path))
+        sub = rows.filter(pl.col("sample_id").is_in(m.sample_ids))
+        sub = sub.join(
+            pl.DataFrame({"sample_id": list(m.sample_ids)}).with_row_index("i"), on="sample_id"
+        ).sort("i")
+        enc = [
+            encode_sample(tok, s, p, r, 64)
+            for s, p, r in zip(sub["system"], sub["prompt"], sub["response"], strict=True)
+        ]
+        batch = collate(enc, tok.pad_token_id)
+        model.zero_grad()
+        model(
+            **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
+        ).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return grads
+
+
+def _stratified_step(
+    model, grads: list[dict[str, torch.Tensor]], shares: tuple[float, float] = (0.75, 0.25)
+) -> None:
+    """One AdamW step (lr 1e-3) on g = shares[0] g_0 + shares[1] g_1 (default: n_c = (3, 1) of
+    N = 4), checking that this differs from the unweighted average (the test can tell the two
+    apart)."""
+    a, b = shares
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.grad = a * grads[0][n] + b * grads[1][n]
+    opt.step()
+    unweighted = {n: 0.5 * grads[0][n] + 0.5 * grads[1][n] for n in grads[0]}
+    assert any(
+        not torch.allclose(unweighted[n], a * grads[0][n] + b * grads[1][n]) for n in grads[0]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"parallelism": "fsdp"}, {"gradient_checkpointing": True}],
+    ids=["ddp", "fsdp", "ddp_activation_checkpointing"],
+)
+def test_one_weighted_step_equals_the_stratified_full_gradient(tmp_path, tiny_model_dir, mode):
+    """DDP, FSDP2 and activation checkpointing: one step with w = (1.5, 0.5) on 2 ranks equals
+    one process applying 0.75 g_0 + 0.25 g_1."""
+    # n_c = (3, 1) of N = 4, K = 2: w = n_c K / N = (1.5, 0.5).
+    cfg, table = train_job(tmp_path, tiny_model_dir, [1.5, 0.5], per_rank=2, **ONE_STEP, **mode)
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = _weights(Path(cfg.output_dir))
+
+    from cluster_pipeline.models.loading import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_packed_step_on_ranks_of_unequal_samples_equals_the_token_stratified_gradient(
+    tmp_path, tiny_model_dir, parallelism
+):
+    """Token balance leaves the ranks different sample counts: 5 and 3 samples here, packed
+    into several micro-batches each (2 accumulated, at most 120 tokens). Each rank's loss is
+    its w_c x token-mean over its whole step, so one step with w = (1.2, 0.8) equals one process
+    applying 0.6 g_0 + 0.4 g_1, g_c the token-mean gradient of shard c (docs/design.md, step 5).
+    """
+    cfg, table = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.2, 0.8],
+        per_rank=[5, 3],
+        packing=True,
+        max_tokens_per_micro_batch=120,
+        max_packed_length=64,
+        gradient_accumulation_steps=2,
+        epochs=1,
+        **{k: v for k, v in ONE_STEP.items() if k != "per_device_batch_size"},
+        parallelism=parallelism,
+    )
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    # One step per rank (the plan puts both shards' tokens in one step), several micro-batches.
+    assert info["steps"] == 1 and info["packed"] is True
+    metrics = json.loads(Path(cfg.output_dir + ".metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["samples_per_rank"] == [5, 3]
+    assert 0 < metrics["useful_compute_fraction"] <= 1
+    trained = _weights(Path(cfg.output_dir))
+
+    from cluster_pipeline.models.loading import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table), (0.6, 0.4))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_one_weighted_lora_step_equals_the_stratified_adapter_gradient(
+    tmp_path, tiny_model_dir, parallelism
+):
+    """LoRA: the same equivalence on the adapter parameters; the checkpoint holds the merged
+    weights (loadable as a plain model) and the adapter beside them, recorded in provenance."""
+    from cluster_pipeline.models.loading import load_model_and_tokenizer
+    from cluster_pipeline.training.parallel import apply_lora
+
+    lora = dict(lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    cfg, table = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.5, 0.5],
+        per_rank=2,
+        parallelism=parallelism,
+        **ONE_STEP,
+        **lora,
+    )
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = _weights(Path(cfg.output_dir))
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = apply_lora(model, cfg.settings)
+    model.train()
+    _stratified_step(model, _shard_gradients(model, tok, cfg, table))
+    merged = model.merge_and_unload()
+    changed = 0
+    for n, p in merged.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-6)
+        changed += not torch.equal(trained[n], base[n])
+    assert changed == 4  # q_proj and v_proj of both layers, and nothing else
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    assert info["adapter"]["r"] == 4 and sorted(info["adapter"]["target_modules"]) == [
+        "q_proj",
+        "v_proj",
+    ]
+    assert (Path(cfg.output_dir) / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode",
+    [{"parallelism": "ddp"}, {"parallelism": "fsdp"}, {"parallelism": "ddp", "lora_r": 4}],
+    ids=["ddp", "fsdp", "ddp_lora"],
+)
+def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, mode):
+    """DDP resumes from full weights, FSDP from torch.distributed.checkpoint shards, LoRA from
+    the adapter: each reaches the uninterrupted run's weights and losses."""
+    common = dict(per_device_batch_size=2, epochs=3, learning_rate=5e-3, save_every_steps=2, **mode)
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref_cfg, _ = train_job(ref_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    assert torchrun(TRAIN, 2, ["--config", str(ref_dir / "train.json")]).returncode == 0
+
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    cut_cfg, _ = train_job(cut_dir, tiny_model_dir, [1.2, 0.8], per_rank=10, **common)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        TRAIN,
+        "--config",
+        str(cut_dir / "train.json"),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    ckpts = Path(cut_cfg.output_dir + ".checkpoints")
+    deadline = time.time() + 600  # a loaded machine is slow; the kill must follow step 4
+    while time.time() < deadline and not (ckpts / "step_0000004" / "training_state.pt").exists():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert (ckpts / "step_0000004" / "training_state.pt").exists(), "step 4 was never saved"
+    proc.wait()
+    assert not Path(cut_cfg.output_dir).exists(), "the kill must land before the end"
+    done = torchrun(TRAIN, 2, ["--config", str(cut_dir / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((Path(cut_cfg.output_dir) / "training_info.json").read_text())
+    assert info["resumed_from_step"] >= 4 and info["steps"] == 15
+    ref, cut = _weights(Path(ref_cfg.output_dir)), _weights(Path(cut_cfg.output_dir))
+    for name in ref:
+        torch.testing.assert_close(cut[name], ref[name], rtol=1e-6, atol=1e-7)
+    ref_loss = [
+        json.loads(x)["loss"]
+        for x in Path(ref_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    ]
+    cut_loss = [
+        json.loads(x)["loss"]
+        for x in Path(cut_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    ]
+    np.testing.assert_allclose(cut_loss, ref_loss, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_shards_of_unequal_sizes_take_the_same_steps(tmp_path, tiny_model_dir, packing):
+    """Token balance gives ranks different sample counts (6 and 3 here): every rank takes the
+    same optimizer steps and sees each of its samples once per epoch; the metrics count each
+    rank's samples, real and tensor tokens per step."""
+    cfg, _ = train_job(
+        tmp_path,
+        tiny_model_dir,
+        [1.0, 1.0],
+        per_rank=[6, 3],
+        per_device_batch_size=2,
+        epochs=2,
+        packing=packing,
+        max_tokens_per_micro_batch=60,
+        max_packed_length=64,
+    )
+    done = torchrun(TRAIN, 2, ["--config", str(tmp_path / "train.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = Path(cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    assert info["steps"] == len(rows) and info["packed"] is packing
+    assert [sum(r["samples_per_rank"][k] for r in rows) for k in (0, 1)] == [12, 6]
+    for r in rows:
+        real, paid = r["real_tokens_per_rank"], r["padded_tokens_per_rank"]
+        assert all(0 <= a <= b for a, b in zip(real, paid, strict=True))
+        assert r["useful_compute_fraction"] == pytest.approx(sum(real) / (2 * max(paid)))
+    assert info["real_tokens"] == sum(sum(r["real_tokens_per_rank"]) for r in rows)
+    if packing:  # packed: every step holds samples of both ranks
+        assert all(min(r["samples_per_rank"]) >= 1 for r in rows)
+
+
+def test_schedule_and_plan():
+    f = lr_lambda("cosine", warmup_steps=2, total_steps=10)
+    assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    g = lr_lambda("linear", 0, 4)
+    assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    # 10 samples, batch 2 x accumulation 2: ceil(10 / 4) = 3 steps per epoch.
+    plan = plan_padded([10], 2, 2, epochs=2, seed=0)[0]
+    assert len(plan) == 6 and [s.epoch for s in plan] == [0, 0, 0, 1, 1, 1]
+    assert sorted(i for s in plan[:3] for i in s.samples) == list(range(10))
+    assert [len(s.micro_batches) for s in plan[:3]] == [2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("learning_rate", 0.0, "learning_rate"),
+        ("schedule", "step", "schedule"),
+        ("per_device_batch_size", 0, "per_device_batch_size"),
+        ("manifests", [], "manifests"),
+        ("lerning_rate", 1e-4, "lerning_rate"),
+    ],
+)
+def test_config_errors_name_the_option(field, value, match):
+    job = {
+        "settings": {},
+        "model_path": "m",
+        "instructions_uri": "u",
+        "instructions_version": 0,
+        "manifests": ["a"],
+        "output_dir": "o",
+    }
+    if field in job:
+        job[field] = value
+    else:
+        job["settings"][field] = value
+    with pytest.raises(ValueError, match=match):
+        TrainJob.model_validate(job)
+    # And as a rank reads it: from the JSON file the asset wrote.
+    with pytest.raises(ValueError, match=match):
+        TrainJob.model_validate_json(json.dumps(job))
+
+
+@pytest.mark.slow
+def test_measuring_the_inter_rank_gradient_cosine_does_not_change_training(
+    tmp_path, tiny_model_dir
+):
+    runs = {}
+    for every in (1, None):
+        folder = tmp_path / f"every_{every}"
+        folder.mkdir()
+        job, _ = train_job(
+            folder,
+            tiny_model_dir,
+            [1.5, 0.5],
+            per_rank=8,
+            per_device_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-3,
+            grad_cosine_every=every,
+        )
+        done = torchrun(TRAIN, 2, ["--config", str(folder / "train.json")])
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = [
+            json.loads(x) for x in Path(job.output_dir + ".metrics.jsonl").read_text().splitlines()
+        ]
+        runs[every] = (_weights(Path(job.output_dir)), metrics)
+    (measured, with_cos), (plain, without) = runs[1], runs[None]
+    assert len(with_cos) == 2 and all(-1.0 <= m["grad_cosine"] <= 1.0 for m in with_cos)
+    assert not any("grad_cosine" in m for m in without)
+    # The manual all-reduce after a measurement equals DDP's own averaging.
+    for name in plain:
+        torch.testing.assert_close(measured[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
+    """16 bytes per parameter under DDP, / ranks under FSDP, 4 for LoRA's frozen weights
+    (hand-checked), and a 1B Llama config counted on the meta device without weights."""
+    from transformers import LlamaConfig
+
+    from cluster_pipeline.training.parallel import (
+        TrainingMemoryError,
+        check_training_memory,
+        parameter_count,
+        training_bytes_per_rank,
+    )
+
+    assert training_bytes_per_rank(10**9, 10**9, "ddp", 2) == 16 * 10**9
+    assert training_bytes_per_rank(10**9, 10**9, "fsdp", 2) == 8 * 10**9
+    assert training_bytes_per_rank(10**9, 0, "ddp", 2) == 4 * 10**9
+    LlamaConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=18,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    # 49152 x 2048 embedding + 18 x (attention 2048 x (2048 + 2 x 512 + 2048) + MLP 3 x
+    # 2048 x 5632 + 2 norms x 2048) + final norm 2048.
+    n = 49152 * 2048 + 18 * (2048 * (2048 + 2 * 512 + 2048) + 3 * 2048 * 5632 + 2 * 2048) + 2048
+    assert parameter_count(str(tmp_path)) == n == 912_336_896
+    twelve_gib = 12 * 2**30  # a 24 GiB machine, 2 ranks
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(n, TrainSettings(parallelism="ddp"), 2, twelve_gib)
+    assert str(refused.value) == (
+        "training needs about 13.6 GiB per rank (912M parameters, parallelism ddp, 2 ranks; "
+        "activations aside) but 12.0 GiB is available per rank; use parallelism: fsdp "
+        "(6.8 GiB per rank), or lora_r > 0 (3.4 GiB per rank), or a machine with more memory"
+    )
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(n, TrainSettings(parallelism="fsdp", lora_r=8), 2, 2**30)
+    assert str(refused.value).endswith(
+        "(912M parameters, parallelism fsdp, LoRA, 2 ranks; activations aside) but 1.0 GiB is "
+        "available per rank; use more ranks (balanced_clusters.num_clusters)"
+    )
+    # Activations dominate (2 GiB, 0.5 GiB with checkpointing): the ways say which would fit.
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(
+            10**8,
+            TrainSettings(packing=False),
+            2,
+            3 * 2**30,
+            2 * 2**30,
+            checkpointed_activations=2**29,
+        )
+    assert str(refused.value) == (
+        "training needs about 3.5 GiB per rank (100M parameters, parallelism ddp, 2 ranks; "
+        "2.0 GiB of it activations) but 3.0 GiB is available per rank; use parallelism: fsdp "
+        "(2.7 GiB per rank), or lora_r > 0 (2.4 GiB per rank), or gradient_checkpointing: "
+        "true (2.0 GiB per rank), or a smaller per_device_batch_size or max_length "
+        "(activations grow with both), or a machine with more memory"
+    )
+    with pytest.raises(TrainingMemoryError, match=r"fsdp \(2.7 GiB per rank, not enough alone\)"):
+        check_training_memory(10**8, TrainSettings(), 2, int(2.6 * 2**30), 2 * 2**30)
+    # Packed micro-batches: the advice names their knob.
+    with pytest.raises(TrainingMemoryError, match="a smaller max_tokens_per_micro_batch"):
+        check_training_memory(10**8, TrainSettings(), 2, 3 * 2**30, 2 * 2**30)
+    assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
+    assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
+
+
+def test_lora_targets_that_match_no_module_are_refused_before_launch(tiny_model_dir):
+    from cluster_pipeline.training.parallel import check_lora_targets
+
+    check_lora_targets(str(tiny_model_dir), TrainSettings(lora_r=4, lora_target_modules=["q_proj"]))
+    with pytest.raises(ValueError) as refused:
+        check_lora_targets(
+            str(tiny_model_dir), TrainSettings(lora_r=4, lora_target_modules=["nope_proj"])
+        )
+    message = str(refused.value)
+    assert message.startswith("lora_target_modules ['nope_proj']: Target modules {'nope_proj'}")
+    assert message.endswith(
+        "The model's linear modules are down_proj, gate_proj, k_proj, lm_head, o_proj, "
+        "q_proj, up_proj, v_proj."
+    )
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
+    """A state gathered from FSDP shards holds tied matrices as two tensors; the exported
+    model ties them again (one embedding matrix, as the base), merges LoRA, and leaves the
+    training model's config alone."""
+    import copy
+
+    from cluster_pipeline.training.parallel import apply_lora, export_model
+    from cluster_pipeline_tests.helpers import build_model
+
+    model = build_model(64, tie_word_embeddings=True)
+    if lora_r:
+        model = apply_lora(model, TrainSettings(lora_r=lora_r))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at init: make the merge change the weights
+                torch.nn.init.normal_(p)
+    expected: Any = copy.deepcopy(model)
+    expected = expected.merge_and_unload() if lora_r else expected
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # untied, as gathered
+    plain = export_model(model, state)
+    assert plain.config.tie_word_embeddings is True
+    assert plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+    assert sum(p.numel() for p in plain.parameters()) == sum(
+        p.numel() for p in expected.parameters()
+    )
+    for (name, p), (_, q) in zip(
+        plain.named_parameters(), expected.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, msg=name)
+    wrapped: Any = model
+    base = wrapped.get_base_model() if lora_r else wrapped
+    assert base.config.tie_word_embeddings is True
+
+
+def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
+    """Hand-checked: 2 x 128 tokens x 4 bytes x (30 layers x 576 x 17 + 2 x 49152 logits) for
+    SmolLM2-135M's shape; with gradient checkpointing 30 layer inputs + one layer's 17; and it
+    is added to the estimate the check compares."""
+    from transformers import LlamaConfig
+
+    from cluster_pipeline.training.parallel import activation_bytes, check_training_memory
+
+    LlamaConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, intermediate_size=1536
+    ).save_pretrained(tmp_path)
+    cfg = TrainSettings(per_device_batch_size=2, max_length=128, packing=False)
+    assert activation_bytes(str(tmp_path), cfg) == 256 * 4 * (30 * 576 * 17 + 2 * 49152)
+    # Packed: max_tokens_per_micro_batch tokens (1,024 by default), not batch x max_length.
+    packed = TrainSettings(per_device_batch_size=2, max_length=128)
+    assert activation_bytes(str(tmp_path), packed) == 1024 * 4 * (30 * 576 * 17 + 2 * 49152)
+    checkpointed = cfg.model_copy(update={"gradient_checkpointing": True})
+    assert activation_bytes(str(tmp_path), checkpointed) == 256 * 4 * (
+        30 * 576 + 576 * 17 + 2 * 49152
+    )
+    assert check_training_memory(10**6, cfg, 2, 2**40, activations=123) == 16 * 10**6 + 123

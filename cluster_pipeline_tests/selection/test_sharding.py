@@ -1,0 +1,74 @@
+"""Shard manifests: properties over random clusterings (hypothesis) and hashing."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster_pipeline.selection.selectors import SELECTORS, select
+from cluster_pipeline.selection.sharding import ShardManifest, allocate, check_allocation
+
+
+@st.composite
+def clusterings(draw):
+    k = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(2, 30), min_size=k, max_size=k))
+    labels = np.repeat(np.arange(k), sizes)
+    seed = draw(st.integers(0, 2**16))
+    labels = np.random.default_rng(seed).permutation(labels)
+    dist = np.random.default_rng(seed + 1).random(len(labels)).astype(np.float32)
+    return k, labels, dist, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusterings(), st.sampled_from(SELECTORS), st.sampled_from([0.5, 1.0]))
+def test_allocation_properties(clustering, selector, r):
+    k, labels, dist, seed = clustering
+    ids = np.array([f"s{i:04d}" for i in range(len(labels))])
+    sel = select(labels, dist, k, selector, r, seed)
+    alloc = allocate("ds", ids, labels, sel, k, seed)
+    ms = alloc.manifests
+    # Every shard has the same count.
+    assert len({m.n_samples for m in ms}) == 1 and len(ms) == k
+    entries = Counter(s for m in ms for s in m.sample_ids)
+    selected = Counter({ids[i]: int(c) for i, c in enumerate(sel.copies) if c})
+    # The union of the shards is the selected set (less the remainder of the global deal).
+    assert not (entries - selected)
+    assert sum((selected - entries).values()) == alloc.dropped < k
+    # No sample twice except through uniform oversampling.
+    if selector != "uniform":
+        assert max(entries.values()) == 1
+    # Clustered selectors: rank c holds only cluster c; weights follow n_c K / N.
+    n_c = np.bincount(labels, minlength=k)
+    for m in ms:
+        if selector in ("peripheral", "core", "random"):
+            assert m.weight == pytest.approx(n_c[m.rank] * k / len(labels))
+        else:
+            assert m.weight == 1.0
+        if selector in ("peripheral", "core", "random", "uniform"):
+            idx = np.searchsorted(ids, list(m.sample_ids))
+            assert (labels[idx] == m.rank).all()
+    assert all(ok for ok, _ in check_allocation(ms, ids, labels, sel, alloc.dropped).values())
+
+
+def test_manifest_roundtrip_and_tamper_detection(tmp_path):
+    m = ShardManifest("ds", 0, 2, "peripheral", 1.25, 0, ("a", "b", "c"))
+    path = m.write(tmp_path)
+    assert ShardManifest.read(path) == m
+    assert m.sha256 != ShardManifest("ds", 0, 2, "peripheral", 1.25, 0, ("b", "a", "c")).sha256
+    assert m.sha256 != ShardManifest("ds", 0, 2, "peripheral", 1.0, 0, ("a", "b", "c")).sha256
+    path.write_text(path.read_text().replace('"b"', '"x"'))
+    with pytest.raises(ValueError, match="hash mismatch"):
+        ShardManifest.read(path)
+
+
+def test_check_allocation_catches_a_missing_sample():
+    labels = np.array([0, 0, 1, 1])
+    ids = np.array(["a", "b", "c", "d"])
+    sel = select(labels, np.array([0.1, 0.2, 0.3, 0.4], np.float32), 2, "peripheral", 1.0)
+    ms = allocate("ds", ids, labels, sel, 2).manifests
+    broken = [ms[0], ShardManifest("ds", 1, 2, "peripheral", ms[1].weight, 0, ("c", "c"))]
+    result = check_allocation(broken, ids, labels, sel, 0)
+    assert not result["coverage"][0] and result["equal_shards"][0]
