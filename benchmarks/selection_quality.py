@@ -105,7 +105,6 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         load_humaneval,
     )
     from cluster_pipeline.models.loading import load_model_and_tokenizer
-    from cluster_pipeline.recipes.embed import embed_frame
     from cluster_pipeline.selection.clustering import balanced_kmeans
     from cluster_pipeline.selection.embedding import l2_normalise
     from cluster_pipeline.selection.selectors import select
@@ -113,6 +112,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     from cluster_pipeline.storage.tables import series_to_matrix, write_table
     from cluster_pipeline.training.checkpointing import read_checkpoint
     from cluster_pipeline.training.config import EmbedSettings, TrainJob, TrainSettings
+    from cluster_pipeline.training.embedding_pass import embed_frame
 
     frame, stats = build_instruction_table(load_pool(name), 0.5, args.heldout, args.pool, seed=0)
     table = write_table(frame, work / name / "raw")

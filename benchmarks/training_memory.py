@@ -103,7 +103,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     from cluster_pipeline.selection.sharding import ShardManifest
     from cluster_pipeline.storage.tables import write_table
     from cluster_pipeline.training.config import Parallelism, TrainSettings
-    from cluster_pipeline.training.parallel import (
+    from cluster_pipeline.training.memory import (
         TrainingMemoryError,
         activation_bytes,
         available_bytes_per_rank,

@@ -75,13 +75,13 @@ def prepare(datasets: list[str], work: Path, ratio: float) -> None:
         load_model_and_tokenizer,
         resolve_model,
     )
-    from cluster_pipeline.recipes.embed import embed_frame
     from cluster_pipeline.selection.clustering import balanced_kmeans
     from cluster_pipeline.selection.embedding import l2_normalise
     from cluster_pipeline.selection.selectors import select
     from cluster_pipeline.selection.sharding import allocate
     from cluster_pipeline.storage.tables import series_to_matrix
     from cluster_pipeline.training.config import EmbedSettings, TrainSettings
+    from cluster_pipeline.training.embedding_pass import embed_frame
 
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     model, tokenizer = load_model_and_tokenizer(model_path)

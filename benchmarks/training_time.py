@@ -35,13 +35,13 @@ def main() -> None:
         load_model_and_tokenizer,
         resolve_model,
     )
-    from cluster_pipeline.recipes.embed import embed_frame
     from cluster_pipeline.selection.clustering import balanced_kmeans
     from cluster_pipeline.selection.embedding import l2_normalise
     from cluster_pipeline.selection.selectors import select
     from cluster_pipeline.selection.sharding import allocate
     from cluster_pipeline.storage.tables import series_to_matrix, write_table
     from cluster_pipeline.training.config import EmbedSettings, TrainJob, TrainSettings
+    from cluster_pipeline.training.embedding_pass import embed_frame
 
     work = Path(tempfile.mkdtemp(prefix="training_time_"))
     model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")

@@ -1,4 +1,14 @@
-"""The checkpoint catalogue: what a finished fine-tuning run leaves, and how to read it back.
+"""Checkpoints, the one home (as torchtune's ``training/checkpointing``): what a fine-tuning run
+leaves and how it is written and read back.
+
+- **The catalogue** (read by lineage, evaluation and the asset metadata): :class:`Checkpoint`,
+  :func:`read_checkpoint`, :func:`list_checkpoints`, :func:`finished_for`, the metrics file.
+- **Writers**: :func:`save_checkpoint` (``save_pretrained`` + ``training_info.json``,
+  atomically), :class:`CheckpointDir` (the resumable ``step_<n>/`` folders), FSDP2's sharded
+  files (:func:`save_sharded` / :func:`load_sharded`, ``torch.distributed.checkpoint``), LoRA
+  adapters (:func:`save_adapter` / :func:`load_adapter`), and the export of a gathered state
+  into a plain model (:func:`full_state_dict`, :func:`export_model`).
+- **Base weights into FSDP2 shards**: :class:`SafetensorsRows`, :func:`load_into_shards`.
 
 A finished checkpoint is a folder ``<data>/checkpoints/<dataset>/<name>/`` holding the
 ``save_pretrained`` output (safetensors + tokenizer) and ``training_info.json``: base model,
@@ -13,10 +23,20 @@ asset metadata read them through this module only.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from cluster_pipeline.training.parallel import is_fsdp
 
 TRAINING_INFO = "training_info.json"
 
@@ -122,3 +142,285 @@ def finished_for(path: str | Path, manifest_sha256: list[str]) -> Checkpoint | N
     rank order), else None."""
     ckpt = read_checkpoint(path)
     return ckpt if ckpt is not None and ckpt.manifest_sha256 == list(manifest_sha256) else None
+
+
+TRAINING_STATE = "training_state.pt"
+
+
+class CheckpointDir:
+    """Intermediate checkpoints ``step_<n>/`` under ``root``: each a save_pretrained folder plus
+    ``training_state.pt`` (optimizer, scheduler, step, every rank's RNG state, loss history).
+    A folder exists only once complete (see :func:`save_checkpoint`)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def all(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        done = [p for p in self.root.glob("step_*") if (p / TRAINING_STATE).exists()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[-1]))
+
+    def latest(self) -> Path | None:
+        found = self.all()
+        return found[-1] if found else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:07d}"
+
+    def save(self, model, tokenizer, step: int, state: dict, keep: int) -> Path:
+        """Write ``step_<n>/``: ``model`` (``save_pretrained``; None when the sharded files are
+        already there, written by every rank), the tokenizer and the training state last, which
+        marks the folder complete; then drop all but the ``keep`` newest."""
+        path = self.step_dir(step)
+        if model is None:
+            tokenizer.save_pretrained(path)
+            torch.save(state, path / f".{TRAINING_STATE}.tmp")
+            os.replace(path / f".{TRAINING_STATE}.tmp", path / TRAINING_STATE)
+        else:
+            save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
+        for old in self.all()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+
+def save_checkpoint(
+    model,
+    tokenizer,
+    out_dir: Path,
+    info: dict,
+    extra: dict | None = None,
+    also: Callable[[Path], Any] | None = None,
+) -> None:
+    """``save_pretrained`` (safetensors) + tokenizer + ``training_info.json`` (+ ``extra`` objects
+    saved with ``torch.save``, + whatever ``also(folder)`` writes) into ``out_dir``, atomically:
+    written to a temporary sibling folder, then renamed over ``out_dir``, so a killed save
+    leaves no half checkpoint."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+        if also is not None:
+            also(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+ADAPTER_DIR = "adapter"  # the LoRA adapter, beside the merged weights of a checkpoint
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name for adapter weights
+
+
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files of an FSDP intermediate checkpoint
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+class SafetensorsRows:
+    """Reads row ranges of the tensors in safetensors files with plain reads, not ``mmap``:
+    pages of a mapped file count in the reader's resident memory (and its peak) until it is
+    unmapped, read pages do not. Format: an 8-byte little-endian header length, a JSON header
+    giving each tensor's dtype, shape and byte offsets, then the data, row-major
+    (huggingface/safetensors, README "Format")."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
+        """(file, byte offset of the tensor's data, its header entry)."""
+        import json
+        import struct
+
+        if name not in self.files:
+            raise KeyError(f"the checkpoint has no tensor {name!r} for the model's parameter")
+        file = self.files[name]
+        if file not in self.headers:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self.headers[file] = (8 + length, json.loads(f.read(length)))
+        data_start, header = self.headers[file]
+        meta = header[name]
+        return file, data_start + meta["data_offsets"][0], meta
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entry(name)[2]["shape"])
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Copy rows ``start : start + out.shape[0]`` of tensor ``name`` into ``out`` (a
+        CPU or GPU tensor of the tensor's trailing shape, any float dtype)."""
+        file, offset, meta = self.entry(name)
+        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+        row_bytes = math.prod(meta["shape"][1:]) * dtype.itemsize
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=dtype)
+        with open(file, "rb", buffering=0) as f:
+            f.seek(offset + start * row_bytes)
+            f.readinto(buffer.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
+        if not direct:
+            out.copy_(buffer)
+
+
+@torch.no_grad()
+def load_into_shards(model, files: dict[str, Path], device: torch.device) -> None:
+    """Fill the parameters of a model built on the meta device (``modeling.empty_model``) and
+    sharded with :func:`wrap`, each rank reading from the safetensors ``files`` (tensor name ->
+    file) only the rows of its own shard (:class:`SafetensorsRows`): no rank ever holds the
+    full weights, only its shards. Buffers keep the values they were built with. Works
+    unsharded too (every row). What torchtune's ``load_from_full_model_state_dict`` does,
+    without a full state dict on rank 0 to scatter from.
+
+    Raises:
+        KeyError: a parameter of the model has no tensor in ``files``.
+        ValueError: a tensor's shape differs from its parameter's, or a parameter is sharded
+            otherwise than FSDP2's default (rows, dim 0).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    reader = SafetensorsRows(files)
+    for name, param in model.named_parameters():
+        if reader.shape(name) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: {reader.shape(name)} in the checkpoint, {tuple(param.shape)} in the model"
+            )
+        local, start = param, 0
+        if isinstance(param, DTensor):
+            if tuple(param.placements) != (Shard(0),):
+                raise ValueError(f"{name} is sharded as {param.placements}, not by rows")
+            local = param.to_local()
+            rows = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's chunk size
+            start = param.device_mesh.get_local_rank() * rows
+        if local.numel():
+            reader.read_into(name, start, local)
+
+
+def full_state_dict(model) -> dict[str, Any]:
+    """The unsharded model state on CPU (collective under FSDP2: every rank must call it; rank 0
+    gets the tensors)."""
+    if not is_fsdp(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def export_model(model, state: dict[str, Any]):
+    """A plain ``transformers`` model holding ``state`` that ``save_pretrained`` writes as the
+    base architecture (an FSDP2-sharded model's class is a generated subclass; LoRA adapters are
+    merged into the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # A copy: peft's merge below edits the config it is given.
+    config = copy.deepcopy(base.config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config)
+    lora = getattr(model, "peft_config", None)
+    if lora:  # load into a peft copy, then merge the adapters into the weights
+        from peft import get_peft_model
+
+        plain = get_peft_model(plain, lora["default"])
+    # strict=False: a state gathered from shards may list tied weights (lm_head) once.
+    plain.load_state_dict(state, strict=False, assign=True)
+    if lora:
+        plain = plain.merge_and_unload()
+    plain.tie_weights()
+    if tied:
+        # The gathered state holds the tied matrices as two tensors, and peft's merge then
+        # unties them (clearing the config flag): tie them again, so the export keeps the base
+        # architecture (one embedding matrix, not two).
+        plain.config.tie_word_embeddings = True
+        output = plain.get_output_embeddings()
+        if output is not None:
+            output.weight = plain.get_input_embeddings().weight
+    empty = [name for name, p in plain.named_parameters() if p.is_meta]
+    if empty:
+        raise RuntimeError(f"the gathered state has no value for {empty[:3]} ({len(empty)} in all)")
+    return plain
+
+
+def adapter_config(model) -> dict[str, Any] | None:
+    """A LoRA model's peft adapter config as a JSON-ready dict (sets as sorted lists; None for
+    a model without adapters)."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    return {
+        k: sorted(v) if isinstance(v, set) else v for k, v in configs["default"].to_dict().items()
+    }
+
+
+def save_adapter(model, state: dict[str, Any], out_dir: Path) -> None:
+    """Save a LoRA model's adapter in peft's format (``adapter_config.json``,
+    ``adapter_model.safetensors``) under ``out_dir/adapter``; nothing for other models."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = out_dir / ADAPTER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    configs["default"].save_pretrained(str(folder))
+    adapter = get_peft_model_state_dict(model, state_dict=state)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_WEIGHTS))
+
+
+def load_adapter(model, folder: Path) -> None:
+    """Load the adapter weights a peft ``save_pretrained`` wrote to ``folder`` into ``model``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(str(folder / ADAPTER_WEIGHTS)))
+
+
+def save_sharded(model, optimizer, folder: Path) -> None:
+    """Model and optimizer state, sharded as FSDP2 holds them, with
+    ``torch.distributed.checkpoint`` (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder: Path) -> None:
+    """Restore what :func:`save_sharded` wrote into an FSDP2 model and its optimizer
+    (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )

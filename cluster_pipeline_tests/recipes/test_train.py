@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from cluster_pipeline.data.tokenization import collate, encode_sample
-from cluster_pipeline.recipes.train import lr_lambda
 from cluster_pipeline.selection.sharding import ShardManifest
 from cluster_pipeline.training.config import TrainJob, TrainSettings
+from cluster_pipeline.training.loop import lr_lambda
 from cluster_pipeline.training.plan import plan_padded
 from cluster_pipeline_tests.helpers import torchrun, train_job
 
@@ -363,7 +363,7 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     (hand-checked), and a 1B Llama config counted on the meta device without weights."""
     from transformers import LlamaConfig
 
-    from cluster_pipeline.training.parallel import (
+    from cluster_pipeline.training.memory import (
         TrainingMemoryError,
         check_training_memory,
         parameter_count,
@@ -449,7 +449,8 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
     training model's config alone."""
     import copy
 
-    from cluster_pipeline.training.parallel import apply_lora, export_model
+    from cluster_pipeline.training.checkpointing import export_model
+    from cluster_pipeline.training.parallel import apply_lora
     from cluster_pipeline_tests.helpers import build_model
 
     model = build_model(64, tie_word_embeddings=True)
@@ -482,7 +483,7 @@ def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
     is added to the estimate the check compares."""
     from transformers import LlamaConfig
 
-    from cluster_pipeline.training.parallel import activation_bytes, check_training_memory
+    from cluster_pipeline.training.memory import activation_bytes, check_training_memory
 
     LlamaConfig(
         vocab_size=49152, hidden_size=576, num_hidden_layers=30, intermediate_size=1536

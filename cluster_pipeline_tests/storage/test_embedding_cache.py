@@ -5,7 +5,7 @@ import json
 import polars as pl
 import pytest
 
-from cluster_pipeline.recipes.embed import (
+from cluster_pipeline.storage.embedding_cache import (
     CACHE_TABLE,
     CHUNK_SCHEMA,
     PASS_LOG,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster_pipeline.models.loading import empty_model, safetensors_files
-from cluster_pipeline.training.parallel import load_into_shards
+from cluster_pipeline.training.checkpointing import load_into_shards
 
 
 def _loaded(path) -> Any:

@@ -13,7 +13,6 @@ from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbedding
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
-from cluster_pipeline.recipes.embed import REPRESENTATIONS
 from cluster_pipeline.selection.clustering import (
     DEFAULT_ALPHA,
     KMEANS_NITER,
@@ -22,6 +21,7 @@ from cluster_pipeline.selection.clustering import (
     cluster_table,
 )
 from cluster_pipeline.selection.selectors import cluster_weights
+from cluster_pipeline.storage.embedding_cache import REPRESENTATIONS
 from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 

@@ -11,7 +11,8 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.recipes.embed import (
+from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
+from cluster_pipeline.storage.embedding_cache import (
     CHUNK_FORMAT,
     CacheUnreadable,
     assemble_table,
@@ -20,13 +21,12 @@ from cluster_pipeline.recipes.embed import (
     n_chunks,
     pending_ids,
     read_cached,
-    read_train_split,
     store_pass,
     write_pass_ids,
 )
-from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
 from cluster_pipeline.storage.tables import mean_of, write_table
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
+from cluster_pipeline.training.embedding_pass import read_train_split
 
 EMBED_MODULE = "cluster_pipeline.recipes.embed"
 

@@ -21,14 +21,14 @@ from cluster_pipeline.evaluation import plots
 from cluster_pipeline.storage.cache import stable_hash
 from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
-from cluster_pipeline.training.parallel import (
+from cluster_pipeline.training.memory import (
     TrainingMemoryError,
     activation_bytes,
     available_bytes_per_rank,
-    check_lora_targets,
     check_training_memory,
     parameter_count,
 )
+from cluster_pipeline.training.parallel import check_lora_targets
 
 TRAIN_MODULE = "cluster_pipeline.recipes.train"
 

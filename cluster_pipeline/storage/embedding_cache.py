@@ -1,0 +1,292 @@
+"""The embedding pass's files: resumable chunks of one pass, and the per-sample cache they are
+stored into (docs/design.md, "Storage layout" and "Incremental refresh").
+
+A pass writes ``chunk_<i>.parquet`` files (:data:`CHUNK_SCHEMA`) into its folder, each renamed
+into place when complete, so a killed pass resumes from the chunks it finished. The cache keeps
+one Delta row per ``sample_id`` under a folder keyed by model, tokenizer and settings; a refresh
+embeds only the samples it lacks. polars and deltalake only: the Dagster assets read it without
+loading torch.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.storage.tables import series_to_matrix, vectors_to_series
+
+CHUNK_SCHEMA = {
+    "sample_id": pl.String,
+    "n_tokens": pl.Int64,
+    "n_response_tokens": pl.Int64,
+    "truncated": pl.Boolean,
+    # What truncation cut: "prompt_start", "response_end", both joined by "+", or null.
+    "truncation": pl.String,
+    "skip_reason": pl.String,
+    "mean_loss": pl.Float32,
+    "embedding": pl.List(pl.Float32),
+    "hidden_mean": pl.List(pl.Float32),
+}
+
+
+# Bumped when the chunk schema changes, so cached chunks of an older schema are not reused.
+CHUNK_FORMAT = 3
+
+
+# The representations a pass stores, by name: raw column (normalised: "<column>_normalised").
+REPRESENTATIONS = {"gradient_proxy": "embedding", "hidden_mean": "hidden_mean"}
+
+
+PASS_STATS = "pass_stats.json"
+
+
+# In a cache folder: the Delta table of embedded samples, and one line of pass_stats per pass.
+CACHE_TABLE = "samples"
+
+
+PASS_LOG = "passes.jsonl"
+
+
+# The list of samples a pass embeds, in its folder.
+PASS_IDS = "sample_ids.parquet"
+
+
+def chunk_path(chunk_dir: Path, index: int) -> Path:
+    return chunk_dir / f"chunk_{index:06d}.parquet"
+
+
+def n_chunks(n_samples: int, chunk_size: int) -> int:
+    return math.ceil(n_samples / chunk_size)
+
+
+def chunks_done(chunk_dir: Path, n_samples: int, chunk_size: int) -> int:
+    """How many of the pass's chunk files already exist."""
+    return sum(chunk_path(chunk_dir, i).exists() for i in range(n_chunks(n_samples, chunk_size)))
+
+
+def read_pass_stats(chunk_dir: Path) -> dict[str, float]:
+    """samples, tokens, seconds (slowest rank) and world_size of the pass that wrote the
+    chunks ({} before it finished)."""
+    path = chunk_dir / PASS_STATS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl.DataFrame:
+    """Concatenate the chunk files of a finished pass, in sample order.
+
+    Raises:
+        FileNotFoundError: a chunk is missing (the pass did not finish).
+        ValueError: the chunks hold other samples than ``sample_ids`` (another pass's files).
+    """
+    total = n_chunks(len(sample_ids), chunk_size)
+    missing = [i for i in range(total) if not chunk_path(chunk_dir, i).exists()]
+    if missing:
+        raise FileNotFoundError(f"{chunk_dir}: chunks {missing[:5]} of {total} are missing")
+    frame = pl.concat([pl.read_parquet(chunk_path(chunk_dir, i)) for i in range(total)])
+    if frame["sample_id"].to_list() != list(sample_ids):
+        raise ValueError(f"{chunk_dir}: the chunks do not hold the expected samples in order")
+    return frame
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The ``proxy_embeddings`` table of a finished pass and what it holds.
+
+    Attributes:
+        frame: :data:`CHUNK_SCHEMA` plus ``embedding_normalised`` and
+            ``hidden_mean_normalised`` (List(Float32), L2-normalised; null where skipped), one
+            row per training sample in table order.
+        embedded: samples with an embedding.
+        skipped: skip reason -> count.
+        hidden_size: d.
+        truncated: truncation kind -> count of embedded samples that truncation cut.
+    """
+
+    frame: pl.DataFrame
+    embedded: int
+    skipped: dict[str, int]
+    hidden_size: int
+    truncated: dict[str, int]
+
+
+class CacheUnreadable(RuntimeError):
+    """The per-sample cache's files are damaged (deleted, truncated or edited by hand)."""
+
+
+def _unreadable(cache_dir: Path, e: BaseException) -> CacheUnreadable:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CacheUnreadable(
+        f"the embedding cache {cache_dir / CACHE_TABLE} cannot be read ({type(e).__name__}: "
+        f"{first[:300]}); re-run proxy_embeddings with recompute: true to rebuild it (the cache "
+        "is replaced only once the new pass has finished; the proxy_embeddings table is "
+        "untouched)"
+    )
+
+
+def _read_cache(cache_dir: Path, read):
+    """``read()`` on the cache table, its failures (Python errors and the Rust panics of a
+    damaged Delta table, which pyo3 raises as BaseException) as :class:`CacheUnreadable`."""
+    try:
+        return read()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (pyo3's PanicException is a BaseException)
+        raise _unreadable(cache_dir, e) from e
+
+
+def pending_ids(cache_dir: Path, sample_ids: list[str]) -> list[str]:
+    """The ``sample_ids`` (in their order) the cache folder has no embedding for.
+
+    Raises:
+        CacheUnreadable: the cache table is damaged.
+    """
+    table = cache_dir / CACHE_TABLE
+    if not (table / "_delta_log").exists():
+        return list(sample_ids)
+    cached = set(
+        _read_cache(cache_dir, lambda: pl.read_delta(str(table), columns=["sample_id"]))[
+            "sample_id"
+        ].to_list()
+    )
+    return [s for s in sample_ids if s not in cached]
+
+
+def write_pass_ids(pass_dir: Path, sample_ids: list[str]) -> Path:
+    """Write the samples a pass embeds (read back by :func:`run_pass`)."""
+    pass_dir.mkdir(parents=True, exist_ok=True)
+    path = pass_dir / PASS_IDS
+    pl.DataFrame({"sample_id": sample_ids}, schema={"sample_id": pl.String}).write_parquet(path)
+    return path
+
+
+def store_pass(
+    cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int, replace: bool = False
+) -> dict[str, float]:
+    """Add a finished pass's chunks to the cache table, log its stats (returned:
+    :func:`read_pass_stats`), and remove its folder.
+
+    Appending is one Delta commit, so a crash leaves the cache as it was or with the whole
+    pass. ``replace``: the pass becomes the whole cache (``recompute``); the new table is
+    written beside the old one and swapped in, so a failure before this point, or a damaged
+    old table, loses nothing that was readable.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`gather_chunks`.
+        CacheUnreadable: appending to a damaged cache table failed.
+    """
+    import shutil
+
+    chunks = gather_chunks(pass_dir, sample_ids, chunk_size)
+    table, log = cache_dir / CACHE_TABLE, cache_dir / PASS_LOG
+    stats = read_pass_stats(pass_dir)
+    line = json.dumps(stats) + "\n"
+    if replace:
+        fresh, old = cache_dir / f"{CACHE_TABLE}.new", cache_dir / f"{CACHE_TABLE}.old"
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+        chunks.write_delta(str(fresh))
+        if table.exists():
+            table.rename(old)
+        fresh.rename(table)
+        shutil.rmtree(old, ignore_errors=True)
+        log.write_text(line)
+    else:
+        _read_cache(cache_dir, lambda: chunks.write_delta(str(table), mode="append"))
+        with log.open("a") as f:
+            f.write(line)
+    shutil.rmtree(pass_dir, ignore_errors=True)
+    return stats
+
+
+def cached_pass_stats(cache_dir: Path) -> dict[str, float]:
+    """Totals over every pass logged in a cache folder: samples, tokens, seconds (each pass's
+    slowest rank), passes. {} before the first pass. Lines that are not JSON objects (a log
+    edited by hand) are left out: the figures are informative, not needed."""
+    path = cache_dir / PASS_LOG
+    if not path.exists():
+        return {}
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    totals = {
+        key: float(sum(float(r.get(key, 0.0)) for r in rows))
+        for key in ("samples", "tokens", "seconds")
+    }
+    return {**totals, "passes": float(len(rows))}
+
+
+def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:
+    """The cached chunk rows (:data:`CHUNK_SCHEMA`) of ``sample_ids``, in that order.
+
+    Raises:
+        FileNotFoundError: some samples have no cached row (names how many and one of them).
+        CacheUnreadable: the cache table is damaged.
+    """
+    wanted = pl.DataFrame({"sample_id": sample_ids}, schema={"sample_id": pl.String})
+    table = cache_dir / CACHE_TABLE
+    if not (table / "_delta_log").exists():
+        raise FileNotFoundError(f"{cache_dir}: no embeddings cached yet")
+    cached = _read_cache(
+        cache_dir,
+        lambda: (
+            pl.scan_delta(str(table))
+            .join(wanted.lazy(), on="sample_id", how="semi")
+            .unique("sample_id", keep="last", maintain_order=True)
+            .collect()
+        ),
+    )
+    frame = wanted.join(cached, on="sample_id", how="left", maintain_order="left")
+    missing = frame.filter(pl.col("n_tokens").is_null())["sample_id"]
+    if len(missing):
+        raise FileNotFoundError(
+            f"{cache_dir}: {len(missing)} samples (e.g. {missing[0]!r}) have no cached embedding"
+        )
+    return frame.select(list(CHUNK_SCHEMA))
+
+
+def assemble_table(chunks: pl.DataFrame) -> EmbeddingTable:
+    """Add the L2-normalised embeddings to a pool's chunk rows (:data:`CHUNK_SCHEMA`, e.g. from
+    :func:`read_cached`).
+
+    Raises:
+        ValueError: no sample was embedded (every one was skipped).
+    """
+    ok = chunks["skip_reason"].is_null().to_numpy()
+    if not ok.any():
+        raise ValueError(
+            "no sample has a response token within max_length; raise max_length "
+            "or check the responses"
+        )
+    frame, d = chunks, 0
+    for column in REPRESENTATIONS.values():
+        matrix = series_to_matrix(chunks.filter(pl.Series(ok))[column])
+        d = int(matrix.shape[1])
+        normalised = np.zeros((chunks.height, d), dtype=np.float32)
+        normalised[ok] = l2_normalise(matrix)
+        name = f"{column}_normalised"
+        frame = frame.with_columns(vectors_to_series(name, normalised)).with_columns(
+            pl.when(pl.col("skip_reason").is_null()).then(pl.col(name)).alias(name)
+        )
+    skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
+    cut = (
+        frame.filter(pl.Series(ok) & pl.col("truncation").is_not_null())
+        .group_by("truncation")
+        .len()
+        .sort("truncation")
+    )
+    return EmbeddingTable(
+        frame,
+        int(ok.sum()),
+        dict(zip(skipped["skip_reason"], skipped["len"], strict=True)),
+        d,
+        dict(zip(cut["truncation"], cut["len"], strict=True)),
+    )

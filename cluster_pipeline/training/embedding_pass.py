@@ -1,0 +1,175 @@
+"""One rank's share of the gradient-proxy embedding pass (docs/design.md, step 1): the training
+split cut into chunks of ``chunk_size``, rank r embedding chunks i with i mod W = r, each chunk
+written when complete (resumable), throughput and progress reported. The ``python -m`` entry
+point is :mod:`cluster_pipeline.recipes.embed`.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+
+from cluster_pipeline.data.datasets import EMBEDDING_COLUMNS, read_instructions
+from cluster_pipeline.data.packing import can_pack
+from cluster_pipeline.data.tokenization import encode_rows
+from cluster_pipeline.models.loading import load_model_and_tokenizer
+from cluster_pipeline.selection.embedding import embed_samples
+from cluster_pipeline.storage.embedding_cache import (
+    CHUNK_SCHEMA,
+    PASS_STATS,
+    chunk_path,
+    chunks_done,
+    n_chunks,
+)
+from cluster_pipeline.training.config import EmbedJob, EmbedSettings
+from cluster_pipeline.training.distributed import all_gather_floats
+
+
+def read_train_split(uri: str, version: int) -> pl.DataFrame:
+    """The training split of a raw_instructions version, in table order: the columns a sample
+    is rendered from and its source file and line (named when it cannot be rendered)."""
+    frame = read_instructions(uri, version, ["split", *EMBEDDING_COLUMNS])
+    return frame.filter(pl.col("split") == "train").drop("split")
+
+
+def embed_frame(
+    model,
+    tokenizer,
+    frame: pl.DataFrame,
+    settings: EmbedSettings,
+    lm_head_chunk_rows: int = 1024,
+    on_batch=None,
+) -> pl.DataFrame:
+    """Embed every sample of ``frame`` (columns sample_id, system, prompt, response, and
+    optionally messages), encoded under ``settings`` (max_length, truncation, response_turns).
+
+    Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
+    response token get a ``skip_reason`` and a null embedding.
+    """
+    encoded = encode_rows(tokenizer, frame, settings)
+    n = len(encoded)
+    out, _ = embed_samples(
+        model,
+        encoded,
+        tokenizer.pad_token_id,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        packing=settings.packing,
+        max_packed_length=settings.max_packed_length,
+        chunk_rows=lm_head_chunk_rows,
+        autocast_dtype=torch.bfloat16 if settings.bf16 else None,
+        on_batch=on_batch,
+    )
+    emb, hmean, loss = out.embedding, out.hidden_mean, out.mean_loss
+    n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
+    skip = [e.skip_reason for e in encoded]
+    vectors = [None if skip[i] else emb[i].tolist() for i in range(n)]
+    means = [None if skip[i] else hmean[i].tolist() for i in range(n)]
+    return pl.DataFrame(
+        {
+            "sample_id": frame["sample_id"],
+            "n_tokens": [len(e) for e in encoded],
+            "n_response_tokens": n_resp,
+            "truncated": [e.truncated for e in encoded],
+            "truncation": [e.truncation_kind for e in encoded],
+            "skip_reason": skip,
+            "mean_loss": [None if skip[i] else float(loss[i]) for i in range(n)],
+            "embedding": vectors,
+            "hidden_mean": means,
+        },
+        schema=CHUNK_SCHEMA,
+    )
+
+
+def run_pass(job: EmbedJob, env, report) -> None:
+    """This rank's share of the pass: embed its missing chunks, then (rank 0) write the pass's
+    throughput to ``pass_stats.json``."""
+    cfg = job.settings
+    chunk_dir = Path(job.chunk_dir)
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    # Half-written chunks of a killed run were never renamed, so never counted as done.
+    for orphan in chunk_dir.glob(f"chunk_*.tmp-rank{env.rank}"):
+        orphan.unlink(missing_ok=True)
+    frame = read_train_split(job.instructions_uri, job.instructions_version)
+    if job.sample_ids_file:
+        wanted = pl.read_parquet(job.sample_ids_file)["sample_id"]
+        frame = frame.filter(pl.col("sample_id").is_in(wanted.implode()))
+    total = n_chunks(frame.height, cfg.chunk_size)
+    mine = [i for i in range(total) if i % env.world_size == env.rank]
+    todo = [i for i in mine if not chunk_path(chunk_dir, i).exists()]
+    already = chunks_done(chunk_dir, frame.height, cfg.chunk_size)
+    report.info(
+        f"embedding {frame.height} samples in {total} chunks on {env.world_size} rank(s); "
+        f"{already} chunk(s) already done"
+    )
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(job.model_path, device=str(env.device))
+    progress_file = chunk_dir / f"progress_rank{env.rank}.json"
+    progress_file.unlink(missing_ok=True)  # counts of an earlier, interrupted run
+    state: dict[str, Any] = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
+    done_before = sum(
+        min(cfg.chunk_size, frame.height - i * cfg.chunk_size)
+        for i in range(total)
+        if chunk_path(chunk_dir, i).exists()
+    )
+
+    def on_batch(samples: int, tokens: int) -> None:
+        state["samples"] += samples
+        state["tokens"] += tokens
+        now = time.time()
+        if now - state["last"] < job.progress_every_s:
+            return
+        state["last"] = now
+        progress_file.write_text(
+            json.dumps({"samples": state["samples"], "tokens": state["tokens"]})
+        )
+        if env.is_main:
+            samples_all, tokens_all = 0, 0
+            for p in chunk_dir.glob("progress_rank*.json"):
+                counts = json.loads(p.read_text())
+                samples_all += counts["samples"]
+                tokens_all += counts["tokens"]
+            elapsed = now - state["start"]
+            done = done_before + samples_all
+            rate = samples_all / elapsed if elapsed > 0 else 0.0
+            eta = (frame.height - done) / rate if rate > 0 else float("nan")
+            report.info(
+                f"embedded {done}/{frame.height} samples, {tokens_all / elapsed:.0f} tokens/s, "
+                f"ETA {eta:.0f} s"
+            )
+
+    if cfg.packing and not can_pack(model):
+        report.info(
+            f"packing is on but {type(model).__name__} attends across packed samples "
+            "(data/packing.can_pack): embedding with padded batches"
+        )
+    for i in todo:
+        rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
+        out = embed_frame(model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch)
+        target = chunk_path(chunk_dir, i)
+        tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
+        out.write_parquet(tmp)
+        os.replace(tmp, target)
+    elapsed = time.time() - state["start"]
+    totals = [state["samples"], state["tokens"], elapsed]
+    gathered = all_gather_floats([float(x) for x in totals], env)
+    report.info(
+        f"embedding pass done: {sum(g[0] for g in gathered):.0f} samples, "
+        f"{sum(g[1] for g in gathered) / max(max(g[2] for g in gathered), 1e-9):.0f} tokens/s"
+    )
+    if env.is_main:
+        (chunk_dir / PASS_STATS).write_text(
+            json.dumps(
+                {
+                    "samples": sum(g[0] for g in gathered),
+                    "tokens": sum(g[1] for g in gathered),
+                    "seconds": max(g[2] for g in gathered),
+                    "world_size": env.world_size,
+                }
+            )
+        )
