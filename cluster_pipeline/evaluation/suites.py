@@ -58,6 +58,7 @@ from cluster_pipeline.data.tokenization import (
 from cluster_pipeline.evaluation.sandbox import check_sandbox, run_python
 from cluster_pipeline.models.loading import load_model_and_tokenizer
 from cluster_pipeline.selection.embedding import embed_samples
+from cluster_pipeline.storage.job_files import JobFile
 
 Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
 BENCHMARKS: tuple[str, ...] = get_args(Benchmark)
@@ -671,3 +672,16 @@ def evaluate_model(
         "heldout_sequences": loss["sequences"],
         "eval_seconds": time.perf_counter() - start,
     }
+
+
+class EvalJob(JobFile):
+    """One model's evaluation: settings, the model, the pinned held-out split's table, the
+    benchmarks and where their files are, and the JSON file the outcome is written to."""
+
+    settings: EvalSettings
+    model_path: str
+    instructions_uri: str
+    instructions_version: int = Field(ge=0)
+    benchmarks: list[str]
+    eval_folders: list[str]
+    output: str

@@ -15,6 +15,13 @@ import sys
 from pathlib import Path
 
 LAUNCH_MODULE = "cluster_pipeline.launch.launcher"
+# The python -m targets torchrun starts, by job (cluster_pipeline/recipes/); strings, so that the
+# Dagster definitions never import a recipe. cluster_pipeline_tests/test_layout.py resolves each.
+RECIPES = {
+    "embed": "cluster_pipeline.recipes.embed",
+    "train": "cluster_pipeline.recipes.train",
+    "evaluate": "cluster_pipeline.recipes.evaluate",
+}
 # Written under --log-dir by the launcher when ranks fail: local rank -> exit code and signal.
 RANK_EXITS = "rank_exits.json"
 # Why a rank dies by a signal without writing an error, in plain words.

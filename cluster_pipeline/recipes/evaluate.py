@@ -16,8 +16,7 @@ from pathlib import Path
 import polars as pl
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cluster_pipeline.evaluation.suites import evaluate_model, load_suites
-from cluster_pipeline.training.config import EvalJob
+from cluster_pipeline.evaluation.suites import EvalJob, evaluate_model, load_suites
 from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_point
 
 

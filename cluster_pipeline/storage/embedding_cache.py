@@ -10,14 +10,9 @@ loading torch.
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import polars as pl
-
-from cluster_pipeline.selection.embedding import l2_normalise
-from cluster_pipeline.storage.tables import series_to_matrix, vectors_to_series
 
 CHUNK_SCHEMA = {
     "sample_id": pl.String,
@@ -35,10 +30,6 @@ CHUNK_SCHEMA = {
 
 # Bumped when the chunk schema changes, so cached chunks of an older schema are not reused.
 CHUNK_FORMAT = 3
-
-
-# The representations a pass stores, by name: raw column (normalised: "<column>_normalised").
-REPRESENTATIONS = {"gradient_proxy": "embedding", "hidden_mean": "hidden_mean"}
 
 
 PASS_STATS = "pass_stats.json"
@@ -90,27 +81,6 @@ def gather_chunks(chunk_dir: Path, sample_ids: list[str], chunk_size: int) -> pl
     if frame["sample_id"].to_list() != list(sample_ids):
         raise ValueError(f"{chunk_dir}: the chunks do not hold the expected samples in order")
     return frame
-
-
-@dataclass(frozen=True)
-class EmbeddingTable:
-    """The ``proxy_embeddings`` table of a finished pass and what it holds.
-
-    Attributes:
-        frame: :data:`CHUNK_SCHEMA` plus ``embedding_normalised`` and
-            ``hidden_mean_normalised`` (List(Float32), L2-normalised; null where skipped), one
-            row per training sample in table order.
-        embedded: samples with an embedding.
-        skipped: skip reason -> count.
-        hidden_size: d.
-        truncated: truncation kind -> count of embedded samples that truncation cut.
-    """
-
-    frame: pl.DataFrame
-    embedded: int
-    skipped: dict[str, int]
-    hidden_size: int
-    truncated: dict[str, int]
 
 
 class CacheUnreadable(RuntimeError):
@@ -251,42 +221,3 @@ def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:
             f"{cache_dir}: {len(missing)} samples (e.g. {missing[0]!r}) have no cached embedding"
         )
     return frame.select(list(CHUNK_SCHEMA))
-
-
-def assemble_table(chunks: pl.DataFrame) -> EmbeddingTable:
-    """Add the L2-normalised embeddings to a pool's chunk rows (:data:`CHUNK_SCHEMA`, e.g. from
-    :func:`read_cached`).
-
-    Raises:
-        ValueError: no sample was embedded (every one was skipped).
-    """
-    ok = chunks["skip_reason"].is_null().to_numpy()
-    if not ok.any():
-        raise ValueError(
-            "no sample has a response token within max_length; raise max_length "
-            "or check the responses"
-        )
-    frame, d = chunks, 0
-    for column in REPRESENTATIONS.values():
-        matrix = series_to_matrix(chunks.filter(pl.Series(ok))[column])
-        d = int(matrix.shape[1])
-        normalised = np.zeros((chunks.height, d), dtype=np.float32)
-        normalised[ok] = l2_normalise(matrix)
-        name = f"{column}_normalised"
-        frame = frame.with_columns(vectors_to_series(name, normalised)).with_columns(
-            pl.when(pl.col("skip_reason").is_null()).then(pl.col(name)).alias(name)
-        )
-    skipped = frame.filter(pl.Series(~ok)).group_by("skip_reason").len().sort("skip_reason")
-    cut = (
-        frame.filter(pl.Series(ok) & pl.col("truncation").is_not_null())
-        .group_by("truncation")
-        .len()
-        .sort("truncation")
-    )
-    return EmbeddingTable(
-        frame,
-        int(ok.sum()),
-        dict(zip(skipped["skip_reason"], skipped["len"], strict=True)),
-        d,
-        dict(zip(cut["truncation"], cut["len"], strict=True)),
-    )

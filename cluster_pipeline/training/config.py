@@ -11,38 +11,15 @@ in :class:`TrainSettings`.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from cluster_pipeline.data.tokenization import PackingSettings, SequenceSettings
-from cluster_pipeline.evaluation.suites import EvalSettings
+from cluster_pipeline.storage.job_files import JobFile, _Model
 
 Schedule = Literal["cosine", "linear", "constant"]
 Parallelism = Literal["ddp", "fsdp"]
-
-
-class _Model(BaseModel):
-    # Unknown options are errors that name them, not silently ignored typos.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class JobFile(_Model):
-    """A job description written by an asset and read by every rank."""
-
-    @classmethod
-    def load(cls, path: str | Path) -> Self:
-        """Read and validate a job file.
-
-        Raises:
-            pydantic.ValidationError (a ValueError): unknown or invalid options, each named.
-        """
-        return cls.model_validate_json(Path(path).read_text())
-
-    def dump(self, path: str | Path) -> Path:
-        Path(path).write_text(self.model_dump_json(indent=1))
-        return Path(path)
 
 
 class EmbedSettings(_Model, SequenceSettings, PackingSettings):
@@ -184,19 +161,6 @@ class TrainJob(JobFile):
     manifests: list[str] = Field(min_length=1, description="One shard manifest per rank.")
     output_dir: str
     provenance: dict[str, Any] = Field(default_factory=dict)
-
-
-class EvalJob(JobFile):
-    """One model's evaluation: settings, the model, the pinned held-out split's table, the
-    benchmarks and where their files are, and the JSON file the outcome is written to."""
-
-    settings: EvalSettings
-    model_path: str
-    instructions_uri: str
-    instructions_version: int = Field(ge=0)
-    benchmarks: list[str]
-    eval_folders: list[str]
-    output: str
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

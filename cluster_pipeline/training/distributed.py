@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cluster_pipeline.launch.fate import die_with_parent
-from cluster_pipeline.training.config import JobFile
+from cluster_pipeline.storage.job_files import JobFile
 
 J = TypeVar("J", bound=JobFile)
 

@@ -20,8 +20,8 @@ from cluster_pipeline.selection.clustering import (
     check_capacity,
     cluster_table,
 )
+from cluster_pipeline.selection.embedding import REPRESENTATIONS
 from cluster_pipeline.selection.selectors import cluster_weights
-from cluster_pipeline.storage.embedding_cache import REPRESENTATIONS
 from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 

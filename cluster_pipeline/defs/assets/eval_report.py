@@ -20,14 +20,13 @@ from cluster_pipeline.evaluation.report import (
     render_report,
 )
 from cluster_pipeline.evaluation.sandbox import check_sandbox, sandbox_problem
-from cluster_pipeline.evaluation.suites import CODE_BENCHMARKS, EvalSettings, load_suites
+from cluster_pipeline.evaluation.suites import CODE_BENCHMARKS, EvalJob, EvalSettings, load_suites
+from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline.training.checkpointing import list_checkpoints, read_checkpoint
-from cluster_pipeline.training.config import EvalJob, settings_of
-
-EVAL_MODULE = "cluster_pipeline.recipes.evaluate"
+from cluster_pipeline.training.config import settings_of
 
 
 class EvalReportConfig(dg.Config, EvalSettings):
@@ -117,7 +116,7 @@ def eval_report(
             output=str(run_dir / f"{name}.outcome.json"),
         )
         job_file = job.dump(run_dir / f"{name}.job.json")
-        torchrun.run(context, pipes_subprocess_client, EVAL_MODULE, 1, job_file, local=True)
+        torchrun.run(context, pipes_subprocess_client, RECIPES["evaluate"], 1, job_file, local=True)
         return json.loads(Path(job.output).read_text())
 
     results, heldout_stats = evaluate_entries(

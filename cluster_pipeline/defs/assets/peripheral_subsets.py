@@ -16,9 +16,8 @@ from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import DiversitySums
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import Balance, Selector, per_cluster_summary, select
-from cluster_pipeline.storage.embedding_cache import REPRESENTATIONS
 from cluster_pipeline.storage.tables import markdown_preview, write_table
 
 

@@ -11,11 +11,12 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.launch.torchrun import RECIPES
+from cluster_pipeline.selection.embedding import assemble_table
 from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
 from cluster_pipeline.storage.embedding_cache import (
     CHUNK_FORMAT,
     CacheUnreadable,
-    assemble_table,
     cached_pass_stats,
     chunks_done,
     n_chunks,
@@ -27,8 +28,6 @@ from cluster_pipeline.storage.embedding_cache import (
 from cluster_pipeline.storage.tables import mean_of, write_table
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 from cluster_pipeline.training.embedding_pass import read_train_split
-
-EMBED_MODULE = "cluster_pipeline.recipes.embed"
 
 
 class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
@@ -111,7 +110,7 @@ def proxy_embeddings(
             torchrun.run(
                 context,
                 pipes_subprocess_client,
-                EMBED_MODULE,
+                RECIPES["embed"],
                 config.world_size // torchrun.agents,
                 job.dump(pass_dir / "embed_job.json"),
             )

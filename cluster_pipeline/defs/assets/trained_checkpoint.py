@@ -18,6 +18,7 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
+from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import stable_hash
 from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
@@ -29,8 +30,6 @@ from cluster_pipeline.training.memory import (
     parameter_count,
 )
 from cluster_pipeline.training.parallel import check_lora_targets
-
-TRAIN_MODULE = "cluster_pipeline.recipes.train"
 
 
 class TrainedCheckpointConfig(dg.Config, TrainSettings):
@@ -149,7 +148,7 @@ def trained_checkpoint(
             torchrun.run(
                 context,
                 pipes_subprocess_client,
-                TRAIN_MODULE,
+                RECIPES["train"],
                 shards.world_size // torchrun.agents,
                 job_file,
             )
