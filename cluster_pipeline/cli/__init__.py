@@ -4,3 +4,8 @@ and ``compare-config`` (the run configs of a size profile or a comparison run). 
 it may use the Dagster definitions. Entry point :func:`cluster_pipeline.cli.main.main`
 (``[project.scripts]``).
 """
+
+
+class UserError(Exception):
+    """An error the user caused (unknown dataset or sample, missing files): the CLI prints its
+    message on one line and exits with status 2, without a traceback."""
