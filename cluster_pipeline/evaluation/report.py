@@ -24,7 +24,7 @@ import polars as pl
 
 from cluster_pipeline.data import json_text
 from cluster_pipeline.data.formats import EVAL_CONFIG_NAME
-from cluster_pipeline.evaluation import plots
+from cluster_pipeline.evaluation import plots, render
 from cluster_pipeline.evaluation.statistics import Comparison, paired_bootstrap
 from cluster_pipeline.evaluation.suites import BENCHMARKS, ItemScores, lower_is_better
 from cluster_pipeline.selection.selectors import REWEIGHTED_SELECTORS
@@ -381,124 +381,6 @@ def compare_groups(
     return out
 
 
-def _fmt(value: float | None, std: float, n: int, digits: int = 4) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f} ± {std:.{digits}f}" if n > 1 else f"{value:.{digits}f}"
-
-
-def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
-    """The side-by-side table: one line per group, ``mean ± std`` where several seeds ran."""
-    head = ["model", "runs", "data fraction", "train s", *metric_names]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        name = f"**{r['group']}**" if r["current"] else r["group"]
-        cells = [
-            name,
-            str(r["n"]),
-            _fmt(r["data_fraction"], r["data_fraction_std"], r["n"], 3),
-            _fmt(r["train_seconds"], r["train_seconds_std"], r["n"], 1),
-        ]
-        cells += [_fmt(r[m], r[f"{m}_std"], r["n"]) for m in metric_names]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def cost_table(rows: list[dict], full_seconds: float | None) -> str:
-    """Per group: selection and training seconds, the net time saved against full-data
-    training (selection counted), the share of training compute spent on real tokens, and the
-    mechanism: gradient diversity of the subset and the mean inter-rank gradient cosine during
-    training."""
-    head = [
-        "model",
-        "selection s",
-        "train s",
-        "selection + train s",
-        "net saved s",
-        "useful compute",
-        "gradient diversity",
-        "inter-rank grad cosine",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["group"] == "base":
-            continue
-        n = r["n"]
-        total = r["selection_seconds"] + r["train_seconds"]
-        saved = full_seconds - total if full_seconds is not None else math.nan
-        name = f"**{r['group']}**" if r["current"] else r["group"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    _fmt(r["selection_seconds"], r["selection_seconds_std"], n, 1),
-                    _fmt(r["train_seconds"], r["train_seconds_std"], n, 1),
-                    _fmt(total, 0.0, 1, 1),
-                    _fmt(saved, 0.0, 1, 1),
-                    _fmt(r["useful_compute_fraction"], r["useful_compute_fraction_std"], n, 3),
-                    _fmt(r["gradient_diversity"], r["gradient_diversity_std"], n, 4),
-                    _fmt(r["grad_cosine"], r["grad_cosine_std"], n, 4),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def _signed(v: float, digits: int = 4) -> str:
-    return f"{v:+.{digits}f}"
-
-
-def comparison_table(comparisons: list[Comparison]) -> str:
-    """One line per comparison: difference with its 95 % interval, relative difference,
-    minimum detectable difference and the verdict."""
-    head = [
-        "model",
-        "vs",
-        "metric",
-        "difference [95 % CI]",
-        "relative",
-        "detectable",
-        "runs",
-        "verdict",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in comparisons:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    c.candidate,
-                    c.reference,
-                    c.metric,
-                    f"{_signed(c.difference)} [{_signed(c.low)}, {_signed(c.high)}]",
-                    f"{100 * c.relative:+.2f} %" if math.isfinite(c.relative) else "-",
-                    f"{c.min_detectable:.4f}",
-                    f"{c.candidate_seeds} vs {c.reference_seeds}",
-                    f"**{c.verdict}**",
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def verdict_sentences(comparisons: list[Comparison], group: str) -> list[str]:
-    """Plain-words verdicts of one group against its references."""
-    out = []
-    for c in comparisons:
-        if c.candidate != group:
-            continue
-        direction = "lower is better" if c.lower_is_better else "higher is better"
-        out.append(
-            f"- against **{c.reference}** on {c.metric} ({direction}): **{c.verdict}** "
-            f"({_signed(c.difference)}, 95 % CI [{_signed(c.low)}, {_signed(c.high)}]; "
-            f"differences under {c.min_detectable:.4f} are not reliably detected here)"
-        )
-    return out
-
-
 def zero_metrics(results: list[ModelResult]) -> list[str]:
     """Pass@1 columns where every model scored 0 (nothing to plot or compare)."""
     names = {m for r in results for m in r.metrics if m.endswith("_pass@1")}
@@ -565,21 +447,69 @@ class Report:
         return path
 
 
-def _net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
-    """The report's first line: what this run cost against full-data training."""
-    saved = full_s - selection_s - train_s
-    pct = f" ({100 * saved / full_s:+.0f} % of full-data training)" if full_s > 0 else ""
-    how = "measured" if measured else "estimated as training / data fraction"
-    return (
-        f"**Net time saved: {saved:.1f} s**{pct}: selection {selection_s:.1f} s + training "
-        f"{train_s:.1f} s against full-data training {full_s:.1f} s ({how}).\n\n"
+@dataclass(frozen=True)
+class ReportNumbers:
+    """Everything the report states, computed once (:func:`report_numbers`) and rendered by
+    :mod:`cluster_pipeline.evaluation.render`.
+
+    Attributes:
+        metric_names: the metrics every model was scored on, in order.
+        rows: one aggregate row per group (:func:`aggregate`).
+        comparisons: every group against its references (:func:`compare_groups`).
+        current_row / current_result: the group and the result of this run's checkpoint.
+        train_seconds, data_fraction: of the current group.
+        full_seconds: full-data training time, the ``full`` group's measured mean if there is
+            one (``full_measured``), else the current run's training seconds / data fraction.
+        zero_metrics: pass@1 columns where every model scored 0.
+    """
+
+    metric_names: list[str]
+    rows: list[dict]
+    comparisons: list[Comparison]
+    current_row: dict
+    current_result: ModelResult
+    train_seconds: float
+    data_fraction: float
+    full_seconds: float
+    full_measured: bool
+    zero_metrics: list[str]
+
+
+def report_numbers(results: list[ModelResult], n_resamples: int = 2000) -> ReportNumbers:
+    """Aggregate ``results`` (one must be ``current``) and compare every group with its
+    references. Full-data training time is the measured mean of the ``full`` group when there
+    is one, else estimated as measured training seconds / data fraction (training time is
+    linear in samples at a fixed number of epochs; docs/design.md, "Evaluation").
+
+    Raises:
+        StopIteration: no result is marked ``current``.
+    """
+    metric_names = list(results[0].metrics)
+    rows = aggregate(results, metric_names)
+    comparisons = compare_groups(results, rows, n_resamples=n_resamples)
+    current_row = next(r for r in rows if r["current"])
+    train_s = float(current_row["train_seconds"])
+    fraction = float(current_row["data_fraction"])
+    full_rows = [r for r in rows if r["selector"] == "full"]
+    full_s = (
+        float(full_rows[0]["train_seconds"])
+        if full_rows
+        else train_s / fraction
+        if fraction > 0
+        else float("nan")
     )
-
-
-def _sequence_note(sequences: dict[str, dict[str, int]]) -> str:
-    parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
-    parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
-    return f" ({', '.join(parts)})" if parts else ""
+    return ReportNumbers(
+        metric_names,
+        rows,
+        comparisons,
+        current_row,
+        next(r for r in results if r.current),
+        train_s,
+        fraction,
+        full_s,
+        bool(full_rows),
+        zero_metrics(results),
+    )
 
 
 def render_report(
@@ -594,122 +524,44 @@ def render_report(
     heldout_sequences: dict[str, dict[str, int]] | None = None,
     unsafe_sandbox: str | None = None,
 ) -> Report:
-    """Aggregate ``results`` (one must be ``current``), compare every group with its
-    references, and render the report: the verdicts of the current run, the side-by-side table,
-    the comparisons, and cost and mechanism per group. Full-data training time is the measured
-    mean of the ``full`` group when there is one, else estimated as measured training seconds /
-    data fraction (training time is linear in samples at a fixed number of epochs;
-    docs/design.md, "Evaluation"), and labelled so. ``unsafe_sandbox`` (why isolation was
-    unavailable, when generated code ran without it) opens the report.
+    """The report of ``results``: its numbers (:func:`report_numbers`), their Markdown
+    (:func:`~cluster_pipeline.evaluation.render.summary_markdown`), the plots and the JSON
+    document. ``unsafe_sandbox`` (why isolation was unavailable, when generated code ran
+    without it) opens the report.
 
     Raises:
         StopIteration: no result is marked ``current``.
     """
-    metric_names = list(results[0].metrics)
-    rows = aggregate(results, metric_names)
-    comparisons = compare_groups(results, rows, n_resamples=n_resamples)
-    current_row = next(r for r in rows if r["current"])
-    current_result = next(r for r in results if r.current)
-    weights = current_result.rank_weights
-    train_s = float(current_row["train_seconds"])
-    fraction = float(current_row["data_fraction"])
-    full_rows = [r for r in rows if r["selector"] == "full"]
-    measured = bool(full_rows)
-    full_s = (
-        float(full_rows[0]["train_seconds"])
-        if measured
-        else train_s / fraction
-        if fraction > 0
-        else float("nan")
-    )
-    full_label = (
-        "full-data training (measured, mean over its runs)"
-        if measured
-        else "full-data training (estimate: measured / fraction; no full-data run)"
-    )
-    zeros = zero_metrics(results)
-    heldout = [c for c in comparisons if c.metric == "heldout_loss"]
-    mdd = (
-        f" The smallest held-out loss difference these comparisons detect reliably (80 % "
-        f"power, 5 % level) is {min(c.min_detectable for c in heldout):.4f}"
-        f"-{max(c.min_detectable for c in heldout):.4f} nats/token."
-        if heldout
-        else ""
-    )
-    sentences = verdict_sentences(comparisons, current_row["group"])
-    summary = (
-        f"## eval_report: `{dataset}`\n\n"
-        + (
-            f"**Generated code ran without isolation** (`unsafe_sandbox: true`; {unsafe_sandbox}"
-            ") so pass@1 programs could read and write what the evaluator can.\n\n"
-            if unsafe_sandbox
-            else ""
-        )
-        + _net_saving_line(selection_seconds, train_s, full_s, measured)
-        + f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
-        + _sequence_note(heldout_sequences or {})
-        + ". "
-        f"Benchmarks: {', '.join(f'{k} ({v})' for k, v in suite_sizes.items()) or 'none'}"
-        + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else "")
-        + ". Greedy decoding; bold = the checkpoint of this run; ± = std over seeds.\n\n"
-        + f"### Was the subset worth it? `{current_row['group']}`\n\n"
-        + ("\n".join(sentences) if sentences else "- no reference to compare with")
-        + "\n\nPaired 95 % bootstrap intervals over the same held-out samples / problems "
-        "(seeds resampled too where several ran). Held-out loss is measured on a random split of "
-        "the same pool, which favours a random subset by construction; judge the benchmark rows "
-        "(solution NLL, pass@1, accuracy) as well."
-        + mdd
-        + "\n\n"
-        + markdown_table(rows, metric_names)
-        + (
-            "\n\n"
-            + "; ".join(f"every model scores 0 on {m}" for m in zeros)
-            + " (not plotted: the benchmark is too hard for these models)."
-            if zeros
-            else ""
-        )
-        + "\n\n### Comparisons\n\n"
-        + (comparison_table(comparisons) if comparisons else "no pairs to compare")
-        + "\n\n### Cost and mechanism\n\n"
-        + cost_table(rows, full_s)
-        + "\n\n| cost of the bold run | value |\n|---|---|\n"
-        f"| selection: embedding pass + clustering + subsets + shards (model load excluded) | "
-        f"{selection_seconds:.1f} s |\n"
-        f"| training (measured) | {train_s:.1f} s at data fraction {fraction:.3f} |\n"
-        + (
-            f"| useful compute (real tokens / ranks x busiest rank's tensor tokens, per step) | "
-            f"{current_result.useful_compute_fraction:.3f} |\n"
-            if current_result.useful_compute_fraction is not None
-            else ""
-        )
-        + (
-            f"| rank weights (loss multipliers w_c = n_c K / N, rank order) | "
-            f"{', '.join(f'{w:.4f}' for w in weights)} |\n"
-            if weights
-            else ""
-        )
-        + f"| {full_label} | {full_s:.1f} s |\n"
-        f"| net time saved (full - selection - training) | "
-        f"{full_s - selection_seconds - train_s:.1f} s |\n"
+    numbers = report_numbers(results, n_resamples)
+    summary = render.summary_markdown(
+        dataset,
+        numbers,
+        heldout_samples,
+        heldout_tokens,
+        suite_sizes,
+        skipped,
+        selection_seconds,
+        heldout_sequences,
+        unsafe_sandbox,
     )
     document = {
         "dataset": dataset,
-        "rows": rows,
-        "comparisons": [c.to_dict() for c in comparisons],
+        "rows": numbers.rows,
+        "comparisons": [c.to_dict() for c in numbers.comparisons],
         "models": [{k: v for k, v in r.__dict__.items() if k != "items"} for r in results],
         "skipped": skipped,
         "selection_seconds": selection_seconds,
-        "full_training_seconds": full_s,
-        "full_training_measured": measured,
+        "full_training_seconds": numbers.full_seconds,
+        "full_training_measured": numbers.full_measured,
     }
     return Report(
         summary,
-        report_plots(results, rows, metric_names),
+        report_plots(results, numbers.rows, numbers.metric_names),
         document,
-        rows,
-        comparisons,
-        train_s,
-        fraction,
-        full_s,
-        measured,
+        numbers.rows,
+        numbers.comparisons,
+        numbers.train_seconds,
+        numbers.data_fraction,
+        numbers.full_seconds,
+        numbers.full_measured,
     )

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -59,10 +59,6 @@ from cluster_pipeline.evaluation.sandbox import check_sandbox, run_python
 from cluster_pipeline.models.loading import load_model_and_tokenizer
 from cluster_pipeline.selection.embedding import embed_samples
 from cluster_pipeline.storage.job_files import JobFile
-
-Benchmark = Literal["humaneval", "mbpp", "mmlu", "mmlu_medical"]
-BENCHMARKS: tuple[str, ...] = get_args(Benchmark)
-CODE_BENCHMARKS = ("humaneval", "mbpp")
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 CHAT_STOP_SEQUENCES = ("\nif __name__", "\nprint(", "\nassert ", "\n# Test", "\n# Example")
@@ -502,6 +498,127 @@ def code_pass_at_1(
     return pass1, records
 
 
+# A scorer's result: metric name -> (value, per-item scores, per-item records or None).
+Scored = dict[str, tuple[float, "ItemScores", list[dict] | None]]
+
+
+def score_code(
+    model, tokenizer, name: str, problems: list, settings: EvalSettings, log: Callable
+) -> Scored:
+    """A code suite: pass@1 of one greedy completion per problem (when ``generate``), and the
+    NLL of the reference solutions (where the suite has them)."""
+    out: Scored = {}
+    if settings.generate:
+        score, records = code_pass_at_1(
+            model,
+            tokenizer,
+            problems,
+            settings.max_new_tokens,
+            settings.batch_size,
+            settings.timeout_s,
+            _Progress(name, len(problems), log),
+            settings.unsafe_sandbox,
+        )
+        passed = ItemScores(
+            [r["task_id"] for r in records],
+            [1.0] * len(records),
+            [float(r["passed"]) for r in records],
+        )
+        out[f"{name}_pass@1"] = (score, passed, records)
+        log(f"{name}: {score:.4f}")
+    if any(p.solution is not None for p in problems):
+        nll, nll_items = solution_nll(
+            model,
+            tokenizer,
+            problems,
+            max(settings.max_length, 1024),
+            settings.batch_size,
+            settings,
+        )
+        out[f"{name}_solution_nll"] = (nll, nll_items, None)
+        log(f"{name} reference-solution NLL: {nll:.4f} nats/token")
+    return out
+
+
+def score_choice(
+    model, tokenizer, name: str, questions: list, settings: EvalSettings, log: Callable
+) -> Scored:
+    """A multiple-choice suite: accuracy of the most likely option."""
+    score, records = mmlu_accuracy(
+        model, tokenizer, questions, settings.max_length, settings.batch_size, settings
+    )
+    log(f"{name}: {score:.4f}")
+    return {f"{name}_accuracy": (score, mmlu_items(records), records)}
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One benchmark: where its items come from and how a model is scored on them.
+
+    Attributes:
+        name: the benchmark's name in run configs and ``eval.json``.
+        kind: ``"code"`` (generated code runs in the sandbox) or ``"choice"``.
+        size_knob: the :class:`EvalSettings` field that sizes it.
+        file: the file it reads from an evaluation folder, or None (shipped in a package).
+        load: ``(path of file or None, size) -> items``.
+        score: ``(model, tokenizer, name, items, settings, log) -> Scored``.
+    """
+
+    name: str
+    kind: Literal["code", "choice"]
+    size_knob: str
+    file: str | None
+    load: Callable[[Path | None, int], list]
+    score: Callable[..., Scored]
+
+
+def _file(path: Path | None) -> Path:
+    assert path is not None  # load_suites passes the file of every suite that has one
+    return path
+
+
+# Adding a benchmark is one entry here (and its loader and scorer above).
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "humaneval",
+            "code",
+            "humaneval_problems",
+            None,
+            lambda _, n: load_humaneval(n),
+            score_code,
+        ),
+        Suite(
+            "mbpp",
+            "code",
+            "mbpp_problems",
+            "mbpp_reworded.json",
+            lambda path, n: load_mbpp(_file(path), n),
+            score_code,
+        ),
+        Suite(
+            "mmlu",
+            "choice",
+            "mmlu_questions",
+            "mmlu.jsonl",
+            lambda path, n: load_mmlu(_file(path), None, n),
+            score_choice,
+        ),
+        Suite(
+            "mmlu_medical",
+            "choice",
+            "mmlu_questions",
+            "mmlu.jsonl",
+            lambda path, n: load_mmlu(_file(path), MMLU_MEDICAL_TOPICS, n),
+            score_choice,
+        ),
+    )
+}
+BENCHMARKS: tuple[str, ...] = tuple(SUITES)
+CODE_BENCHMARKS: tuple[str, ...] = tuple(n for n, s in SUITES.items() if s.kind == "code")
+
+
 class EvalSettings(SequenceSettings, PackingSettings):
     """Knobs of one model's evaluation (the ``eval_report`` run config inherits them); the
     sequence knobs (max_length, truncation, response_turns) apply to the held-out loss as in
@@ -558,8 +675,8 @@ def find_eval_file(folders: Sequence[Path], name: str) -> Path | None:
 def load_suites(
     names: Sequence[str], settings: EvalSettings, folders: Sequence[Path]
 ) -> tuple[dict[str, list], dict[str, str]]:
-    """The problems or questions of each benchmark, sized by ``settings``, reading benchmark
-    files from the first of ``folders`` that has them.
+    """The problems or questions of each benchmark (:data:`SUITES`), sized by ``settings``,
+    reading benchmark files from the first of ``folders`` that has them.
 
     Returns:
         (benchmark -> problems/questions, benchmark -> why it was skipped: a size of 0 or a
@@ -568,23 +685,15 @@ def load_suites(
     suites: dict[str, list] = {}
     skipped: dict[str, str] = {}
     for name in names:
-        if name == "humaneval" and settings.humaneval_problems:
-            suites[name] = load_humaneval(settings.humaneval_problems)
-        elif name == "mbpp" and settings.mbpp_problems:
-            path = find_eval_file(folders, "mbpp_reworded.json")
-            if path is None:
-                skipped[name] = "mbpp_reworded.json not found in data/eval/ or eval_data_dir"
-            else:
-                suites[name] = load_mbpp(path, settings.mbpp_problems)
-        elif name in ("mmlu", "mmlu_medical") and settings.mmlu_questions:
-            path = find_eval_file(folders, "mmlu.jsonl")
-            if path is None:
-                skipped[name] = "mmlu.jsonl not found in data/eval/ or eval_data_dir"
-            else:
-                topics = MMLU_MEDICAL_TOPICS if name == "mmlu_medical" else None
-                suites[name] = load_mmlu(path, topics, settings.mmlu_questions)
-        else:
+        suite = SUITES[name]
+        size = int(getattr(settings, suite.size_knob))
+        path = find_eval_file(folders, suite.file) if suite.file else None
+        if not size:
             skipped[name] = "size set to 0"
+        elif suite.file and path is None:
+            skipped[name] = f"{suite.file} not found in data/eval/ or eval_data_dir"
+        else:
+            suites[name] = suite.load(path, size)
     return suites, skipped
 
 
@@ -623,47 +732,13 @@ def evaluate_model(
     metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
     items: dict[str, ItemScores] = {"heldout_loss": loss["items"]}
     details = {}
-    for name, suite in suites.items():
-        if name not in CODE_BENCHMARKS:
-            score, records = mmlu_accuracy(
-                model, tokenizer, suite, settings.max_length, settings.batch_size, settings
-            )
-            metrics[f"{name}_accuracy"] = score
-            items[f"{name}_accuracy"] = mmlu_items(records)
-            details[name] = records
-            log(f"{name}: {score:.4f}")
-            continue
-        if settings.generate:
-            score, records = code_pass_at_1(
-                model,
-                tokenizer,
-                suite,
-                settings.max_new_tokens,
-                settings.batch_size,
-                settings.timeout_s,
-                _Progress(name, len(suite), log),
-                settings.unsafe_sandbox,
-            )
-            metrics[f"{name}_pass@1"] = score
-            items[f"{name}_pass@1"] = ItemScores(
-                [r["task_id"] for r in records],
-                [1.0] * len(records),
-                [float(r["passed"]) for r in records],
-            )
-            details[name] = records
-            log(f"{name}: {score:.4f}")
-        if any(p.solution is not None for p in suite):
-            nll, nll_items = solution_nll(
-                model,
-                tokenizer,
-                suite,
-                max(settings.max_length, 1024),
-                settings.batch_size,
-                settings,
-            )
-            metrics[f"{name}_solution_nll"] = nll
-            items[f"{name}_solution_nll"] = nll_items
-            log(f"{name} reference-solution NLL: {nll:.4f} nats/token")
+    for name, problems in suites.items():
+        scored = SUITES[name].score(model, tokenizer, name, problems, settings, log)
+        for metric, (value, item_scores, records) in scored.items():
+            metrics[metric] = value
+            items[metric] = item_scores
+            if records is not None:
+                details[name] = records
     return {
         "metrics": metrics,
         "items": {k: v.to_dict() for k, v in items.items()},

@@ -7,7 +7,7 @@ and Delta time travel shows how a table changed between materializations.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,18 +160,22 @@ def series_to_matrix(series: pl.Series, dim: int | None = None) -> np.ndarray:
     return series.list.to_array(dim).to_numpy().astype(np.float32, copy=False)
 
 
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A GitHub-Markdown table: the header cells, then one line per row of cells (already
+    formatted text; a ``|`` inside a cell is escaped). The project's one table writer."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(head), "|" + "---|" * len(head), *(line(r) for r in rows)])
+
+
 def markdown_preview(frame: pl.DataFrame, max_rows: int = 8, max_chars: int = 60) -> str:
     """A small GitHub-Markdown table of the first rows (long cells shortened)."""
 
     def cell(v) -> str:
-        text = "" if v is None else str(v)
-        text = text.replace("\n", " ").replace("|", "\\|")
+        text = "" if v is None else str(v).replace("\n", " ")
         return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
     head = frame.head(max_rows)
-    lines = [
-        "| " + " | ".join(head.columns) + " |",
-        "|" + "---|" * len(head.columns),
-    ]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in head.iter_rows()]
-    return "\n".join(lines)
+    return markdown_table(head.columns, ([cell(v) for v in row] for row in head.iter_rows()))

@@ -10,12 +10,12 @@ import polars as pl
 import pytest
 
 from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline.evaluation.render import summary_table
 from cluster_pipeline.evaluation.report import (
     ModelResult,
     aggregate,
     compare_groups,
     dataset_benchmarks,
-    markdown_table,
     render_report,
 )
 from cluster_pipeline.evaluation.sandbox import sandbox_problem
@@ -49,7 +49,7 @@ def test_aggregate_gives_mean_and_sample_std_per_group():
         and rows[1]["m_std"] == pytest.approx(math.sqrt(2))
     )
     assert rows[1]["train_seconds"] == 15.0 and rows[1]["current"]
-    table = markdown_table(rows, ["m"])
+    table = summary_table(rows, ["m"])
     assert "| **random_global r=0.5** | 2 | 0.500 ± 0.000 | 15.0 ± 7.1 | 3.0000 ± 1.4142 |" in table
     assert "| base | 1 | - | - | 1.0000 |" in table
 

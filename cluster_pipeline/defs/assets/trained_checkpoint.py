@@ -20,6 +20,7 @@ from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import stable_hash
+from cluster_pipeline.storage.tables import markdown_table
 from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
 from cluster_pipeline.training.memory import (
@@ -200,9 +201,16 @@ def trained_checkpoint(
             **record.to_metadata(),
             "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
             "selection_vs_training": dg.MetadataValue.md(
-                "| stage | seconds |\n|---|---|\n"
-                f"| selection (embedding pass + clustering + subsets + shards) | "
-                f"{record.selection_seconds:.1f} |\n| training | {record.train_seconds:.1f} |\n"
+                markdown_table(
+                    ["stage", "seconds"],
+                    [
+                        [
+                            "selection (embedding pass + clustering + subsets + shards)",
+                            f"{record.selection_seconds:.1f}",
+                        ],
+                        ["training", f"{record.train_seconds:.1f}"],
+                    ],
+                )
             ),
             "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
             "useful_compute": dg.MetadataValue.md(

@@ -1,0 +1,244 @@
+"""The report's Markdown: the numbers of :mod:`cluster_pipeline.evaluation.report` turned into
+text and tables (every table through :func:`~cluster_pipeline.storage.tables.markdown_table`).
+No statistics here; rendering only."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from cluster_pipeline.storage.tables import markdown_table
+
+if TYPE_CHECKING:
+    from cluster_pipeline.evaluation.report import ReportNumbers
+    from cluster_pipeline.evaluation.statistics import Comparison
+
+
+def fmt(value: float | None, std: float, n: int, digits: int = 4) -> str:
+    """``mean ± std`` where several runs were averaged, the value alone for one, ``-`` for
+    none."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f} ± {std:.{digits}f}" if n > 1 else f"{value:.{digits}f}"
+
+
+def signed(v: float, digits: int = 4) -> str:
+    return f"{v:+.{digits}f}"
+
+
+def _name(row: dict) -> str:
+    return f"**{row['group']}**" if row["current"] else row["group"]
+
+
+def summary_table(rows: list[dict], metric_names: list[str]) -> str:
+    """The side-by-side table: one line per group, ``mean ± std`` where several seeds ran."""
+    return markdown_table(
+        ["model", "runs", "data fraction", "train s", *metric_names],
+        (
+            [
+                _name(r),
+                str(r["n"]),
+                fmt(r["data_fraction"], r["data_fraction_std"], r["n"], 3),
+                fmt(r["train_seconds"], r["train_seconds_std"], r["n"], 1),
+                *(fmt(r[m], r[f"{m}_std"], r["n"]) for m in metric_names),
+            ]
+            for r in rows
+        ),
+    )
+
+
+def cost_table(rows: list[dict], full_seconds: float | None) -> str:
+    """Per group: selection and training seconds, the net time saved against full-data
+    training (selection counted), the share of training compute spent on real tokens, and the
+    mechanism: gradient diversity of the subset and the mean inter-rank gradient cosine during
+    training."""
+
+    def cells(r: dict) -> list[str]:
+        n = r["n"]
+        total = r["selection_seconds"] + r["train_seconds"]
+        saved = full_seconds - total if full_seconds is not None else math.nan
+        return [
+            _name(r),
+            fmt(r["selection_seconds"], r["selection_seconds_std"], n, 1),
+            fmt(r["train_seconds"], r["train_seconds_std"], n, 1),
+            fmt(total, 0.0, 1, 1),
+            fmt(saved, 0.0, 1, 1),
+            fmt(r["useful_compute_fraction"], r["useful_compute_fraction_std"], n, 3),
+            fmt(r["gradient_diversity"], r["gradient_diversity_std"], n, 4),
+            fmt(r["grad_cosine"], r["grad_cosine_std"], n, 4),
+        ]
+
+    head = [
+        "model",
+        "selection s",
+        "train s",
+        "selection + train s",
+        "net saved s",
+        "useful compute",
+        "gradient diversity",
+        "inter-rank grad cosine",
+    ]
+    return markdown_table(head, (cells(r) for r in rows if r["group"] != "base"))
+
+
+def comparison_table(comparisons: list[Comparison]) -> str:
+    """One line per comparison: difference with its 95 % interval, relative difference,
+    minimum detectable difference and the verdict."""
+    head = ["model", "vs", "metric", "difference [95 % CI]", "relative", "detectable", "runs"]
+    return markdown_table(
+        [*head, "verdict"],
+        (
+            [
+                c.candidate,
+                c.reference,
+                c.metric,
+                f"{signed(c.difference)} [{signed(c.low)}, {signed(c.high)}]",
+                f"{100 * c.relative:+.2f} %" if math.isfinite(c.relative) else "-",
+                f"{c.min_detectable:.4f}",
+                f"{c.candidate_seeds} vs {c.reference_seeds}",
+                f"**{c.verdict}**",
+            ]
+            for c in comparisons
+        ),
+    )
+
+
+def verdict_sentences(comparisons: list[Comparison], group: str) -> list[str]:
+    """Plain-words verdicts of one group against its references."""
+    out = []
+    for c in comparisons:
+        if c.candidate != group:
+            continue
+        direction = "lower is better" if c.lower_is_better else "higher is better"
+        out.append(
+            f"- against **{c.reference}** on {c.metric} ({direction}): **{c.verdict}** "
+            f"({signed(c.difference)}, 95 % CI [{signed(c.low)}, {signed(c.high)}]; "
+            f"differences under {c.min_detectable:.4f} are not reliably detected here)"
+        )
+    return out
+
+
+def net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
+    """The report's first line: what this run cost against full-data training."""
+    saved = full_s - selection_s - train_s
+    pct = f" ({100 * saved / full_s:+.0f} % of full-data training)" if full_s > 0 else ""
+    how = "measured" if measured else "estimated as training / data fraction"
+    return (
+        f"**Net time saved: {saved:.1f} s**{pct}: selection {selection_s:.1f} s + training "
+        f"{train_s:.1f} s against full-data training {full_s:.1f} s ({how}).\n\n"
+    )
+
+
+def sequence_note(sequences: dict[str, dict[str, int]]) -> str:
+    parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
+    parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def run_cost_table(numbers: ReportNumbers, selection_seconds: float) -> str:
+    """The bold run's own costs: selection, training, useful compute, weights, full-data time
+    and the net saving."""
+    current = numbers.current_result
+    full_label = (
+        "full-data training (measured, mean over its runs)"
+        if numbers.full_measured
+        else "full-data training (estimate: measured / fraction; no full-data run)"
+    )
+    rows = [
+        [
+            "selection: embedding pass + clustering + subsets + shards (model load excluded)",
+            f"{selection_seconds:.1f} s",
+        ],
+        [
+            "training (measured)",
+            f"{numbers.train_seconds:.1f} s at data fraction {numbers.data_fraction:.3f}",
+        ],
+    ]
+    if current.useful_compute_fraction is not None:
+        rows.append(
+            [
+                "useful compute (real tokens / ranks x busiest rank's tensor tokens, per step)",
+                f"{current.useful_compute_fraction:.3f}",
+            ]
+        )
+    if current.rank_weights:
+        rows.append(
+            [
+                "rank weights (loss multipliers w_c, rank order)",
+                ", ".join(f"{w:.4f}" for w in current.rank_weights),
+            ]
+        )
+    rows += [
+        [full_label, f"{numbers.full_seconds:.1f} s"],
+        [
+            "net time saved (full - selection - training)",
+            f"{numbers.full_seconds - selection_seconds - numbers.train_seconds:.1f} s",
+        ],
+    ]
+    return markdown_table(["cost of the bold run", "value"], rows)
+
+
+def summary_markdown(
+    dataset: str,
+    numbers: ReportNumbers,
+    heldout_samples: int,
+    heldout_tokens: int,
+    suite_sizes: dict[str, int],
+    skipped: dict[str, str],
+    selection_seconds: float,
+    heldout_sequences: dict[str, dict[str, int]] | None = None,
+    unsafe_sandbox: str | None = None,
+) -> str:
+    """The report's text: the unsafe-sandbox warning, the net saving, what was measured, the
+    verdicts of the current run, the side-by-side table, the comparisons, and cost and
+    mechanism."""
+    heldout = [c for c in numbers.comparisons if c.metric == "heldout_loss"]
+    mdd = (
+        f" The smallest held-out loss difference these comparisons detect reliably (80 % "
+        f"power, 5 % level) is {min(c.min_detectable for c in heldout):.4f}"
+        f"-{max(c.min_detectable for c in heldout):.4f} nats/token."
+        if heldout
+        else ""
+    )
+    group = numbers.current_row["group"]
+    sentences = verdict_sentences(numbers.comparisons, group)
+    benchmarks = ", ".join(f"{k} ({v})" for k, v in suite_sizes.items()) or "none"
+    parts = [
+        f"## eval_report: `{dataset}`\n\n",
+        (
+            f"**Generated code ran without isolation** (`unsafe_sandbox: true`; {unsafe_sandbox}"
+            ") so pass@1 programs could read and write what the evaluator can.\n\n"
+            if unsafe_sandbox
+            else ""
+        ),
+        net_saving_line(
+            selection_seconds, numbers.train_seconds, numbers.full_seconds, numbers.full_measured
+        ),
+        f"Held-out split: {heldout_samples} samples, {heldout_tokens} response tokens"
+        + sequence_note(heldout_sequences or {})
+        + f". Benchmarks: {benchmarks}"
+        + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else "")
+        + ". Greedy decoding; bold = the checkpoint of this run; ± = std over seeds.\n\n",
+        f"### Was the subset worth it? `{group}`\n\n",
+        "\n".join(sentences) if sentences else "- no reference to compare with",
+        "\n\nPaired 95 % bootstrap intervals over the same held-out samples / problems "
+        "(seeds resampled too where several ran). Held-out loss is measured on a random split of "
+        "the same pool, which favours a random subset by construction; judge the benchmark rows "
+        "(solution NLL, pass@1, accuracy) as well." + mdd + "\n\n",
+        summary_table(numbers.rows, numbers.metric_names),
+        (
+            "\n\n"
+            + "; ".join(f"every model scores 0 on {m}" for m in numbers.zero_metrics)
+            + " (not plotted: the benchmark is too hard for these models)."
+            if numbers.zero_metrics
+            else ""
+        ),
+        "\n\n### Comparisons\n\n",
+        comparison_table(numbers.comparisons) if numbers.comparisons else "no pairs to compare",
+        "\n\n### Cost and mechanism\n\n",
+        cost_table(numbers.rows, numbers.full_seconds),
+        "\n\n",
+        run_cost_table(numbers, selection_seconds),
+        "\n",
+    ]
+    return "".join(parts)
