@@ -15,6 +15,7 @@ import yaml
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.cli.run_config import asset_list
 from cluster_pipeline.selection.selectors import SELECTORS
+from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, TRAINED_CHECKPOINT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,17 +50,15 @@ def compare_config(
 
     config = profile_run_config(profile or DEFAULT_PROFILE, assets)
     ops = config["ops"]
-    if "peripheral_subsets" in ops:
-        subsets = {**ops["peripheral_subsets"]["config"], "selector": selector, "seed": seed}
+    if PERIPHERAL_SUBSETS in ops:
+        subsets = {**ops[PERIPHERAL_SUBSETS]["config"], "selector": selector, "seed": seed}
         if selector == "full":
             subsets["ratio"] = 1.0
         elif ratio is not None:
             subsets["ratio"] = ratio
-        ops["peripheral_subsets"] = {"config": subsets}
-    if "trained_checkpoint" in ops:
-        ops["trained_checkpoint"] = {
-            "config": {**ops["trained_checkpoint"]["config"], "seed": seed}
-        }
+        ops[PERIPHERAL_SUBSETS] = {"config": subsets}
+    if TRAINED_CHECKPOINT in ops:
+        ops[TRAINED_CHECKPOINT] = {"config": {**ops[TRAINED_CHECKPOINT]["config"], "seed": seed}}
     return config
 
 

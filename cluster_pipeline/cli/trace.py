@@ -20,6 +20,7 @@ from deltalake.exceptions import TableNotFoundError
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 from cluster_pipeline.storage.lineage import build_lineage, latest_tables, subset_diff
+from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, RAW_INSTRUCTIONS
 from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
 
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -> None:
-    uri = layout.table_uri("peripheral_subsets", dataset)
+    uri = layout.table_uri(PERIPHERAL_SUBSETS, dataset)
     try:
         latest = DeltaTable(uri).version()
     except TableNotFoundError:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not args.sample_ids and not args.selected:
         parser.error("give sample_id(s), --selected or --diff OLD NEW")
     tables = latest_tables(layout, args.dataset)
-    if tables.get("raw_instructions") is None:
+    if tables.get(RAW_INSTRUCTIONS) is None:
         raise UserError(
             f"dataset {args.dataset!r} has no tables under {layout.root / 'tables'}: it "
             "does not exist or was never materialized. Datasets with tables: "

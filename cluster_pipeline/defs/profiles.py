@@ -22,19 +22,27 @@ from cluster_pipeline.defs.assets.peripheral_subsets import PeripheralSubsetsCon
 from cluster_pipeline.defs.assets.proxy_embeddings import ProxyEmbeddingsConfig
 from cluster_pipeline.defs.assets.raw_instructions import RawInstructionsConfig
 from cluster_pipeline.defs.assets.trained_checkpoint import TrainedCheckpointConfig
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    EVAL_REPORT,
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
+    TRAINED_CHECKPOINT,
+)
 
 DEFAULT_PROFILE = "cpu_quick"
 
 # The knobs a profile sets and a profile's run config shows, per stage.
 KNOBS: dict[str, tuple[type[dg.Config], tuple[str, ...]]] = {
-    "raw_instructions": (RawInstructionsConfig, ("max_train_samples", "max_heldout")),
-    "proxy_embeddings": (
+    RAW_INSTRUCTIONS: (RawInstructionsConfig, ("max_train_samples", "max_heldout")),
+    PROXY_EMBEDDINGS: (
         ProxyEmbeddingsConfig,
         ("max_length", "world_size", "bf16", "max_packed_length"),
     ),
-    "balanced_clusters": (BalancedClustersConfig, ("num_clusters", "alpha")),
-    "peripheral_subsets": (PeripheralSubsetsConfig, ("selector", "ratio", "balance")),
-    "trained_checkpoint": (
+    BALANCED_CLUSTERS: (BalancedClustersConfig, ("num_clusters", "alpha")),
+    PERIPHERAL_SUBSETS: (PeripheralSubsetsConfig, ("selector", "ratio", "balance")),
+    TRAINED_CHECKPOINT: (
         TrainedCheckpointConfig,
         (
             "max_length",
@@ -46,7 +54,7 @@ KNOBS: dict[str, tuple[type[dg.Config], tuple[str, ...]]] = {
             "bf16",
         ),
     ),
-    "eval_report": (
+    EVAL_REPORT: (
         EvalReportConfig,
         ("max_length", "humaneval_problems", "mbpp_problems", "max_new_tokens"),
     ),
@@ -62,15 +70,15 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     # little for long rows), and every HumanEval and MBPP problem. Set num_clusters and
     # world_size to your GPU count.
     "gpu8": {
-        "raw_instructions": {"max_train_samples": None, "max_heldout": 500},
-        "proxy_embeddings": {
+        RAW_INSTRUCTIONS: {"max_train_samples": None, "max_heldout": 500},
+        PROXY_EMBEDDINGS: {
             "max_length": 2048,
             "world_size": 8,
             "bf16": True,
             "max_packed_length": 4096,
         },
-        "balanced_clusters": {"num_clusters": 8},
-        "trained_checkpoint": {
+        BALANCED_CLUSTERS: {"num_clusters": 8},
+        TRAINED_CHECKPOINT: {
             "max_length": 2048,
             "max_tokens_per_micro_batch": 8192,
             "max_packed_length": 4096,
@@ -79,7 +87,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "learning_rate": 2e-5,
             "bf16": True,
         },
-        "eval_report": {
+        EVAL_REPORT: {
             "max_length": 2048,
             "humaneval_problems": 164,
             "mbpp_problems": 397,

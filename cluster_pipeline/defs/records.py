@@ -22,6 +22,16 @@ from typing import Any, ClassVar, Self
 
 import dagster as dg
 
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    EVAL_REPORT,
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
+    SAMPLE_LINEAGE,
+    SHARD_MANIFESTS,
+    TRAINED_CHECKPOINT,
+)
 from cluster_pipeline.storage.tables import TableRef
 
 
@@ -109,7 +119,7 @@ class ChainRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class RawInstructionsRecord(ChainRecord):
-    ASSET: ClassVar[str] = "raw_instructions"
+    ASSET: ClassVar[str] = RAW_INSTRUCTIONS
     source_fingerprint: str
     records_read: int
     duplicates_dropped: int
@@ -138,7 +148,7 @@ class SelectionRecord(ChainRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class ProxyEmbeddingsRecord(SelectionRecord):
-    ASSET: ClassVar[str] = "proxy_embeddings"
+    ASSET: ClassVar[str] = PROXY_EMBEDDINGS
     PATHS: ClassVar[tuple[str, ...]] = ("base_model",)
     embedded: int
     skipped: dict[str, int]
@@ -159,7 +169,7 @@ class ProxyEmbeddingsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class BalancedClustersRecord(SelectionRecord):
-    ASSET: ClassVar[str] = "balanced_clusters"
+    ASSET: ClassVar[str] = BALANCED_CLUSTERS
     centroids: TableRef
     num_clusters: int
     representation: str = "gradient_proxy"
@@ -191,7 +201,7 @@ class BalancedClustersRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class PeripheralSubsetsRecord(SelectionRecord):
-    ASSET: ClassVar[str] = "peripheral_subsets"
+    ASSET: ClassVar[str] = PERIPHERAL_SUBSETS
     selector: str
     ratio: float
     seed: int
@@ -214,7 +224,7 @@ class PeripheralSubsetsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class ShardManifestsRecord(SelectionRecord):
-    ASSET: ClassVar[str] = "shard_manifests"
+    ASSET: ClassVar[str] = SHARD_MANIFESTS
     world_size: int
     shard_size: int
     dropped_for_equal_shards: int
@@ -232,7 +242,7 @@ class ShardManifestsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainedCheckpointRecord(StageRecord):
-    ASSET: ClassVar[str] = "trained_checkpoint"
+    ASSET: ClassVar[str] = TRAINED_CHECKPOINT
     PATHS: ClassVar[tuple[str, ...]] = ("checkpoint_path", "base_model")
     checkpoint_path: str
     inputs: dict[str, TableRef]
@@ -261,7 +271,7 @@ class TrainedCheckpointRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class EvalReportRecord(StageRecord):
-    ASSET: ClassVar[str] = "eval_report"
+    ASSET: ClassVar[str] = EVAL_REPORT
     item_scores: TableRef
     PATHS: ClassVar[tuple[str, ...]] = ("report_path", "checkpoint_path")
     report_path: str
@@ -291,7 +301,7 @@ class EvalReportRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class SampleLineageRecord(ChainRecord):
-    ASSET: ClassVar[str] = "sample_lineage"
+    ASSET: ClassVar[str] = SAMPLE_LINEAGE
     selected_samples: int
     samples_in_a_checkpoint: int
 

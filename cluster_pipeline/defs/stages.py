@@ -8,16 +8,25 @@ from typing import Any, Literal
 import dagster as dg
 
 from cluster_pipeline.defs.partitions import dataset_partitions
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    EVAL_REPORT,
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
+    SHARD_MANIFESTS,
+    TRAINED_CHECKPOINT,
+)
 
 # The pipeline, in docs/design.md order.
 STAGES = [
-    "raw_instructions",
-    "proxy_embeddings",
-    "balanced_clusters",
-    "peripheral_subsets",
-    "shard_manifests",
-    "trained_checkpoint",
-    "eval_report",
+    RAW_INSTRUCTIONS,
+    PROXY_EMBEDDINGS,
+    BALANCED_CLUSTERS,
+    PERIPHERAL_SUBSETS,
+    SHARD_MANIFESTS,
+    TRAINED_CHECKPOINT,
+    EVAL_REPORT,
 ]
 SELECTION_STAGES = STAGES[:5]
 

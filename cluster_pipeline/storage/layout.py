@@ -28,6 +28,8 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster_pipeline.storage.names import RAW_INSTRUCTIONS
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR_ENV = "CLUSTER_PIPELINE_DATA_DIR"
 # Public evaluation sets shipped beside the project on its build machines (absent elsewhere).
@@ -93,7 +95,7 @@ class DataLayout:
     def eval_cache_dir(self, dataset: str) -> Path:
         return self.reports_dir(dataset) / "evals"
 
-    def datasets_with_tables(self, asset: str = "raw_instructions") -> list[str]:
+    def datasets_with_tables(self, asset: str = RAW_INSTRUCTIONS) -> list[str]:
         """Datasets that have a table of ``asset`` (for error messages)."""
         folder = self.root / "tables" / asset
         return sorted(p.name for p in folder.glob("*")) if folder.is_dir() else []

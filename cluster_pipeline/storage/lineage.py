@@ -13,14 +13,21 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
+    SHARD_MANIFESTS,
+)
 
 # The stages whose tables the lineage joins, in pipeline order.
 LINEAGE_STAGES = (
-    "raw_instructions",
-    "proxy_embeddings",
-    "balanced_clusters",
-    "peripheral_subsets",
-    "shard_manifests",
+    RAW_INSTRUCTIONS,
+    PROXY_EMBEDDINGS,
+    BALANCED_CLUSTERS,
+    PERIPHERAL_SUBSETS,
+    SHARD_MANIFESTS,
 )
 
 LINEAGE_COLUMNS = [
@@ -56,7 +63,7 @@ def build_lineage(
         checkpoints: manifest sha256 -> checkpoint paths (see
             :func:`~cluster_pipeline.training.checkpointing.checkpoints_by_manifest`).
     """
-    raw = tables["raw_instructions"]
+    raw = tables[RAW_INSTRUCTIONS]
     if raw is None:
         raise ValueError("the raw_instructions table is required")
     embeddings, clusters, subsets, shards = (tables.get(s) for s in LINEAGE_STAGES[1:])

@@ -127,7 +127,7 @@ class TrainRun:
     job: TrainJob
     env: DistEnv
     model: torch.nn.Module
-    ddp_model: torch.nn.Module
+    parallel_model: torch.nn.Module
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -258,12 +258,12 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
             load_adapter(model, resume)
     rows = load_shard_samples(job, manifest)
     encoded = encode_rows(tokenizer, rows, cfg)
-    ddp_model = wrap(model, cfg, env.device)
+    parallel_model = wrap(model, cfg, env.device)
     memory.mark("wrapped")
     if shard_load and files is not None:
         load_into_shards(model, files, env.device)
         memory.mark("shards loaded")
-    packed = packing_works(ddp_model, len(tokenizer), cfg, env)
+    packed = packing_works(parallel_model, len(tokenizer), cfg, env)
     plan = plan_steps(encoded, cfg, packed, env)
     steps = len(plan)
     optimizer = torch.optim.AdamW(
@@ -278,7 +278,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         job=job,
         env=env,
         model=model,
-        ddp_model=ddp_model,
+        parallel_model=parallel_model,
         tokenizer=tokenizer,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -298,8 +298,8 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
                 f"{resume} was trained on other shard manifests; delete {checkpoints.root} "
                 "or set resume: false"
             )
-        if is_fsdp(ddp_model):
-            load_sharded(ddp_model, optimizer, resume / SHARDED_DIR)
+        if is_fsdp(parallel_model):
+            load_sharded(parallel_model, optimizer, resume / SHARDED_DIR)
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -345,7 +345,7 @@ def train_step(run: TrainRun) -> dict[str, Any]:
     env, cfg = run.env, run.settings
     t0 = clock(env.device)
     step = run.plan[run.step]
-    ddp = run.ddp_model
+    ddp = run.parallel_model
     is_ddp = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
     every = cfg.grad_cosine_every
     measure = is_ddp and every is not None and (run.step + 1) % every == 0
@@ -423,9 +423,11 @@ def save_intermediate(run: TrainRun, report: Reporter) -> None:
     ``<output_dir>.checkpoints/step_<n>/``; collective: every rank must call it."""
     rng = _gather_objects(torch.get_rng_state(), run.env)
     checkpoints = CheckpointDir(intermediate_dir(run.job.output_dir))
-    sharded = is_fsdp(run.ddp_model)
+    sharded = is_fsdp(run.parallel_model)
     if sharded:  # every rank writes its shard of the model and optimizer state
-        save_sharded(run.ddp_model, run.optimizer, checkpoints.step_dir(run.step) / SHARDED_DIR)
+        save_sharded(
+            run.parallel_model, run.optimizer, checkpoints.step_dir(run.step) / SHARDED_DIR
+        )
     if run.env.is_main:
         state = {
             **({} if sharded else {"optimizer": run.optimizer.state_dict()}),
@@ -453,7 +455,7 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     """Rank 0 saves the checkpoint with its ``training_info.json`` and reports it to Dagster;
     every rank then waits for it."""
     job = run.job
-    plain = not is_fsdp(run.ddp_model) and not run.settings.lora_r
+    plain = not is_fsdp(run.parallel_model) and not run.settings.lora_r
     # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
     run.memory.mark("trained")
     if not plain:  # AdamW's moments are done with: free them before gathering the weights

@@ -22,6 +22,7 @@ from cluster_pipeline.selection.clustering import (
 )
 from cluster_pipeline.selection.embedding import REPRESENTATIONS
 from cluster_pipeline.selection.selectors import cluster_weights
+from cluster_pipeline.storage.names import BALANCED_CLUSTERS, CLUSTER_CENTROIDS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 
@@ -62,12 +63,12 @@ class BalancedClustersConfig(dg.Config):
 
 @stage_asset(
     "selection",
-    deps=["proxy_embeddings"],
+    deps=[PROXY_EMBEDDINGS],
     kinds={"faiss", "deltalake"},
     check_specs=[
         dg.AssetCheckSpec(
             "capacity",
-            asset="balanced_clusters",
+            asset=BALANCED_CLUSTERS,
             blocking=True,
             description="Every sample in exactly one cluster, sizes sum to N, none above the cap.",
         )
@@ -104,13 +105,13 @@ def balanced_clusters(
         pl.Series("kmeans_cluster", result.kmeans_labels),
         pl.Series("sq_distance", result.sq_distance),
     )
-    table = write_table(frame, layout.table_uri("balanced_clusters", dataset))
+    table = write_table(frame, layout.table_uri(BALANCED_CLUSTERS, dataset))
     centroids = pl.DataFrame({"cluster": np.arange(config.num_clusters)}).with_columns(
         vectors_to_series("centroid", result.centroids),
         pl.Series("size", result.sizes),
         pl.Series("kmeans_size", result.kmeans_sizes),
     )
-    centroids_table = write_table(centroids, layout.table_uri("cluster_centroids", dataset))
+    centroids_table = write_table(centroids, layout.table_uri(CLUSTER_CENTROIDS, dataset))
     seconds = time.perf_counter() - start
     context.log.info(
         f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "

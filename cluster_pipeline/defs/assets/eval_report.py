@@ -24,6 +24,7 @@ from cluster_pipeline.evaluation.suites import CODE_BENCHMARKS, EvalJob, EvalSet
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
+from cluster_pipeline.storage.names import EVAL_ITEM_SCORES, RAW_INSTRUCTIONS, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline.training.checkpointing import list_checkpoints, read_checkpoint
 from cluster_pipeline.training.config import settings_of
@@ -40,9 +41,7 @@ class EvalReportConfig(dg.Config, EvalSettings):
     )
 
 
-@stage_asset(
-    "training", deps=["trained_checkpoint", "raw_instructions"], kinds={"pytorch", "markdown"}
-)
+@stage_asset("training", deps=[TRAINED_CHECKPOINT, RAW_INSTRUCTIONS], kinds={"pytorch", "markdown"})
 def eval_report(
     context: dg.AssetExecutionContext,
     config: EvalReportConfig,
@@ -62,7 +61,7 @@ def eval_report(
     """
     dataset, layout = context.partition_key, storage.layout
     trained = read_record(context, TrainedCheckpointRecord)
-    instructions = trained.inputs["raw_instructions"]
+    instructions = trained.inputs[RAW_INSTRUCTIONS]
     heldout = instructions.read().filter(pl.col("split") == "heldout")
     if heldout.height == 0:
         raise dg.Failure(
@@ -143,7 +142,7 @@ def eval_report(
         ),
     )
     path = report.write(layout.reports_dir(dataset))
-    scores = write_table(item_scores_frame(results), layout.table_uri("eval_item_scores", dataset))
+    scores = write_table(item_scores_frame(results), layout.table_uri(EVAL_ITEM_SCORES, dataset))
     context.log.info(report.summary)
     current_group = next(r.group for r in results if r.current)
     record = EvalReportRecord(

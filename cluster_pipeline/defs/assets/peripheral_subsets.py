@@ -18,6 +18,7 @@ from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import DiversitySums
 from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import Balance, Selector, per_cluster_summary, select
+from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import markdown_preview, write_table
 
 
@@ -46,9 +47,7 @@ class PeripheralSubsetsConfig(dg.Config):
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
-@stage_asset(
-    "selection", deps=["balanced_clusters", "proxy_embeddings"], kinds={"polars", "deltalake"}
-)
+@stage_asset("selection", deps=[BALANCED_CLUSTERS, PROXY_EMBEDDINGS], kinds={"polars", "deltalake"})
 def peripheral_subsets(
     context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -60,7 +59,7 @@ def peripheral_subsets(
     dataset = context.partition_key
     start = time.perf_counter()
     clusters = read_record(context, BalancedClustersRecord)
-    embeddings = clusters.inputs["proxy_embeddings"]
+    embeddings = clusters.inputs[PROXY_EMBEDDINGS]
     frame = clusters.table.read(["sample_id", "cluster", "sq_distance"]).join(
         embeddings.read(["sample_id", "n_tokens", "n_response_tokens"]),
         on="sample_id",
@@ -87,7 +86,7 @@ def peripheral_subsets(
         pl.Series("copies", result.copies),
         pl.Series("weight", result.weight),
     )
-    table = write_table(frame, storage.layout.table_uri("peripheral_subsets", dataset))
+    table = write_table(frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset))
     seconds = time.perf_counter() - start
     # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
     # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.

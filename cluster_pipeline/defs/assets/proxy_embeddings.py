@@ -25,6 +25,7 @@ from cluster_pipeline.storage.embedding_cache import (
     store_pass,
     write_pass_ids,
 )
+from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 from cluster_pipeline.training.embedding_pass import read_train_split
@@ -47,7 +48,7 @@ class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
     )
 
 
-@stage_asset("selection", deps=["raw_instructions"], kinds={"pytorch", "deltalake"})
+@stage_asset("selection", deps=[RAW_INSTRUCTIONS], kinds={"pytorch", "deltalake"})
 def proxy_embeddings(
     context: dg.AssetExecutionContext,
     config: ProxyEmbeddingsConfig,
@@ -131,7 +132,7 @@ def proxy_embeddings(
         raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
-    table = write_table(result.frame, layout.table_uri("proxy_embeddings", dataset))
+    table = write_table(result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset))
     seconds = time.perf_counter() - start
     # Selection cost of this pool: one pass over it at the rate the cache's passes measured.
     totals = cached_pass_stats(cache_dir)

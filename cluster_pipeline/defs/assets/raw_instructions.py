@@ -13,6 +13,7 @@ from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation.report import dataset_benchmarks
+from cluster_pipeline.storage.names import RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
 
 
@@ -71,7 +72,7 @@ def raw_instructions(
         )
     except (DatasetFormatError, FileNotFoundError, ValueError) as e:
         raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
-    table = write_table(frame, layout.table_uri("raw_instructions", dataset))
+    table = write_table(frame, layout.table_uri(RAW_INSTRUCTIONS, dataset))
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "

@@ -10,10 +10,11 @@ from cluster_pipeline.defs.records import SampleLineageRecord, ShardManifestsRec
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.storage.lineage import LINEAGE_STAGES, build_lineage
+from cluster_pipeline.storage.names import SAMPLE_LINEAGE, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
-_CHECKPOINT = dg.AssetSelection.assets("trained_checkpoint")
+_CHECKPOINT = dg.AssetSelection.assets(TRAINED_CHECKPOINT)
 
 # Eager on the selection chain; a new checkpoint also refreshes it, but a missing one (training
 # runs only on request) does not block it.
@@ -29,7 +30,7 @@ LINEAGE_CONDITION = (
 
 @stage_asset(
     "inspection",
-    deps=[*LINEAGE_STAGES, "trained_checkpoint"],
+    deps=[*LINEAGE_STAGES, TRAINED_CHECKPOINT],
     kinds={"polars", "deltalake"},
     automation_condition=LINEAGE_CONDITION,
 )
@@ -50,7 +51,7 @@ def sample_lineage(
     versions = shards.lineage()
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(dataset)))
     frame = build_lineage({stage: versions[stage].read() for stage in LINEAGE_STAGES}, checkpoints)
-    table = write_table(frame, layout.table_uri("sample_lineage", dataset))
+    table = write_table(frame, layout.table_uri(SAMPLE_LINEAGE, dataset))
     record = SampleLineageRecord(
         table=table,
         inputs=versions,

@@ -17,6 +17,7 @@ from cluster_pipeline.selection.sharding import (
     manifest_set_hash,
     manifests_frame,
 )
+from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, SHARD_MANIFESTS
 from cluster_pipeline.storage.tables import write_table
 
 
@@ -26,10 +27,10 @@ class ShardManifestsConfig(dg.Config):
 
 @stage_asset(
     "selection",
-    deps=["peripheral_subsets"],
+    deps=[PERIPHERAL_SUBSETS],
     kinds={"json", "deltalake"},
     check_specs=[
-        dg.AssetCheckSpec(name, asset="shard_manifests", blocking=True, description=text)
+        dg.AssetCheckSpec(name, asset=SHARD_MANIFESTS, blocking=True, description=text)
         for name, text in CHECKS.items()
     ],
 )
@@ -62,7 +63,7 @@ def shard_manifests(
     folder = layout.shards_dir(dataset, set_hash)
     paths = [str(m.write(folder)) for m in allocation.manifests]
     shards = manifests_frame(allocation.manifests)
-    table = write_table(shards, layout.table_uri("shard_manifests", dataset))
+    table = write_table(shards, layout.table_uri(SHARD_MANIFESTS, dataset))
     seconds = time.perf_counter() - start
     samples = [m.n_samples for m in allocation.manifests]
     context.log.info(

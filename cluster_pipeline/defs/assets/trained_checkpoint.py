@@ -20,6 +20,12 @@ from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import stable_hash
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    PERIPHERAL_SUBSETS,
+    RAW_INSTRUCTIONS,
+    SHARD_MANIFESTS,
+)
 from cluster_pipeline.storage.tables import markdown_table
 from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
@@ -46,7 +52,7 @@ class TrainedCheckpointConfig(dg.Config, TrainSettings):
 
 @stage_asset(
     "training",
-    deps=["shard_manifests", "peripheral_subsets", "raw_instructions"],
+    deps=[SHARD_MANIFESTS, PERIPHERAL_SUBSETS, RAW_INSTRUCTIONS],
     kinds={"pytorch", "huggingface"},
 )
 def trained_checkpoint(
@@ -66,9 +72,9 @@ def trained_checkpoint(
     dataset = context.partition_key
     start = time.perf_counter()
     shards = read_record(context, ShardManifestsRecord)
-    subsets = pinned_record(context, PeripheralSubsetsRecord, shards.inputs["peripheral_subsets"])
-    clusters = pinned_record(context, BalancedClustersRecord, subsets.inputs["balanced_clusters"])
-    instructions = shards.inputs["raw_instructions"]
+    subsets = pinned_record(context, PeripheralSubsetsRecord, shards.inputs[PERIPHERAL_SUBSETS])
+    clusters = pinned_record(context, BalancedClustersRecord, subsets.inputs[BALANCED_CLUSTERS])
+    instructions = shards.inputs[RAW_INSTRUCTIONS]
     if shards.world_size % torchrun.agents:
         raise dg.Failure(
             f"{shards.world_size} ranks cannot be split over {torchrun.agents} torchrun agents "
