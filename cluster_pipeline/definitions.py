@@ -10,6 +10,8 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 
 @dg.definitions
 def defs() -> dg.Definitions:
+    """The one Definitions: the ``defs/`` folder's assets, checks, jobs, schedules and sensors,
+    the resources and the multiprocess executor."""
     return dg.Definitions.merge(
         dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
         dg.Definitions(

@@ -19,6 +19,7 @@ from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, TRAINED_CHECKPOIN
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``compare-config`` arguments: selector, seed, the assets and the options."""
     from cluster_pipeline.defs.profiles import DEFAULT_PROFILE
 
     parser.add_argument("selector", choices=SELECTORS)
@@ -63,6 +64,7 @@ def compare_config(
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Print the run config of one comparison run (YAML), validated; exit 2 on bad values."""
     from cluster_pipeline.defs.profiles import check_run_config
 
     try:

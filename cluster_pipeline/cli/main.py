@@ -22,6 +22,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``cluster-pipeline``: dispatch to the subcommand; a :class:`~cluster_pipeline.cli.UserError`
+    prints one line and exits with status 2."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends a listing quietly
     parser = argparse.ArgumentParser(
         prog="cluster-pipeline", description=(__doc__ or "").split("\n\n")[0]

@@ -26,6 +26,7 @@ from cluster_pipeline.storage.layout import PROJECT_ROOT, DataLayout, default_da
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``datasets`` arguments: ``list`` or ``sync``, the data folder, ``--require``."""
     parser.add_argument("action", nargs="?", choices=["list", "sync"], default="list")
     parser.add_argument("--data-dir", default=default_data_dir())
     parser.add_argument(
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """List the dataset folders (registered, unregistered, refused and why) or register them as
+    partitions of the Dagster instance (``sync``)."""
     import dagster as dg
 
     raw_dir = DataLayout.at(args.data_dir).raw_dir

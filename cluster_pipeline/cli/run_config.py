@@ -15,6 +15,7 @@ from cluster_pipeline.cli import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``run-config`` arguments: the size profile and the assets to print."""
     from cluster_pipeline.defs.profiles import DEFAULT_PROFILE, PROFILES
 
     parser.add_argument(
@@ -47,6 +48,7 @@ def asset_list(assets: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Print a profile's run config (YAML), restricted to ``--assets``."""
     from cluster_pipeline.defs.profiles import UnknownProfileError, profile_run_config
 
     try:

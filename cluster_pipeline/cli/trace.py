@@ -25,6 +25,7 @@ from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``lineage`` arguments: the dataset, sample ids or ``--selected``, or ``--diff``."""
     parser.add_argument("dataset")
     parser.add_argument("sample_ids", nargs="*", metavar="sample_id")
     parser.add_argument("--selected", action="store_true", help="every selected sample")
@@ -58,6 +59,8 @@ def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Print the lineage of samples (or the subset difference of two versions), from the latest
+    version of each table."""
     layout = DataLayout.at(args.data_dir)
     if args.diff:
         old, new = args.diff

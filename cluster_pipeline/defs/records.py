@@ -119,6 +119,9 @@ class ChainRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class RawInstructionsRecord(ChainRecord):
+    """What ``raw_instructions`` records: the source's fingerprint, what was read and kept, the
+    split sizes and the benchmarks."""
+
     ASSET: ClassVar[str] = RAW_INSTRUCTIONS
     source_fingerprint: str
     records_read: int
@@ -148,6 +151,9 @@ class SelectionRecord(ChainRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class ProxyEmbeddingsRecord(SelectionRecord):
+    """What ``proxy_embeddings`` records: embedded and skipped samples, the cache, the pass's
+    throughput and the base model."""
+
     ASSET: ClassVar[str] = PROXY_EMBEDDINGS
     PATHS: ClassVar[tuple[str, ...]] = ("base_model",)
     embedded: int
@@ -169,6 +175,9 @@ class ProxyEmbeddingsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class BalancedClustersRecord(SelectionRecord):
+    """What ``balanced_clusters`` records: the capacity step, the sizes and weights, the k-means
+    search and the quarantined samples."""
+
     ASSET: ClassVar[str] = BALANCED_CLUSTERS
     centroids: TableRef
     num_clusters: int
@@ -201,6 +210,9 @@ class BalancedClustersRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class PeripheralSubsetsRecord(SelectionRecord):
+    """What ``peripheral_subsets`` records: the selector, budget, weights and the subset's
+    diversity."""
+
     ASSET: ClassVar[str] = PERIPHERAL_SUBSETS
     selector: str
     ratio: float
@@ -224,6 +236,9 @@ class PeripheralSubsetsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class ShardManifestsRecord(SelectionRecord):
+    """What ``shard_manifests`` records: the manifests (paths, hashes), their samples, tokens and
+    weights per rank."""
+
     ASSET: ClassVar[str] = SHARD_MANIFESTS
     world_size: int
     shard_size: int
@@ -242,6 +257,9 @@ class ShardManifestsRecord(SelectionRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainedCheckpointRecord(StageRecord):
+    """What ``trained_checkpoint`` records: the checkpoint, what it was trained on, and the cost
+    and shape of its training."""
+
     ASSET: ClassVar[str] = TRAINED_CHECKPOINT
     PATHS: ClassVar[tuple[str, ...]] = ("checkpoint_path", "base_model")
     checkpoint_path: str
@@ -271,6 +289,9 @@ class TrainedCheckpointRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class EvalReportRecord(StageRecord):
+    """What ``eval_report`` records: the report, the current run's verdicts, costs and both
+    models' metrics."""
+
     ASSET: ClassVar[str] = EVAL_REPORT
     item_scores: TableRef
     PATHS: ClassVar[tuple[str, ...]] = ("report_path", "checkpoint_path")
@@ -289,6 +310,8 @@ class EvalReportRecord(StageRecord):
     tuned: dict[str, float]
 
     def to_metadata(self) -> dict[str, Any]:
+        """The record's entries, plus each metric as its own numeric entry (``base/heldout_loss``),
+        which the UI plots across materializations."""
         # Each metric also as its own numeric entry (``base/heldout_loss``), which the UI plots
         # across materializations.
         flat = {
@@ -301,6 +324,8 @@ class EvalReportRecord(StageRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class SampleLineageRecord(ChainRecord):
+    """What ``sample_lineage`` records: how many samples were selected and trained on."""
+
     ASSET: ClassVar[str] = SAMPLE_LINEAGE
     selected_samples: int
     samples_in_a_checkpoint: int

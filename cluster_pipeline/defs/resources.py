@@ -34,6 +34,7 @@ class StorageResource(dg.ConfigurableResource):
 
     @property
     def layout(self) -> DataLayout:
+        """The data folder's layout (:class:`~cluster_pipeline.storage.layout.DataLayout`)."""
         return DataLayout.at(self.data_dir)
 
 
@@ -107,7 +108,7 @@ class TorchrunResource(dg.ConfigurableResource):
 
     @property
     def agents(self) -> int:
-        """torchrun's nnodes: the number of torchrun agents the ranks are split over."""
+        """Torchrun's nnodes: the number of torchrun agents the ranks are split over."""
         return self.nnodes * self.slurm_agents_per_node if self.launcher == "slurm" else self.nnodes
 
     def command(

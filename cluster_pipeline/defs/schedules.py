@@ -14,7 +14,7 @@ from cluster_pipeline.defs.resources import StorageResource
 
 
 def changed_datasets(instance: dg.DagsterInstance, storage: StorageResource) -> dict[str, str]:
-    """dataset -> current source fingerprint, for every registered dataset whose fingerprint
+    """Dataset -> current source fingerprint, for every registered dataset whose fingerprint
     differs from the one its latest ``raw_instructions`` materialization recorded (or that was
     never materialized). Datasets whose folder is gone are left alone."""
     raw_dir = storage.layout.raw_dir
@@ -42,6 +42,7 @@ def changed_datasets(instance: dg.DagsterInstance, storage: StorageResource) -> 
     "run only on request.",
 )
 def nightly_selection_refresh(context: dg.ScheduleEvaluationContext, storage: StorageResource):
+    """At 02:00, one ``selection_job`` run per dataset whose sources changed, else a skip reason."""
     changed = changed_datasets(context.instance, storage)
     if not changed:
         return dg.SkipReason("no dataset source changed since its last raw_instructions")

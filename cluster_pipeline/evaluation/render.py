@@ -23,6 +23,7 @@ def fmt(value: float | None, std: float, n: int, digits: int = 4) -> str:
 
 
 def signed(v: float, digits: int = 4) -> str:
+    """A difference with its sign (``+0.0123``)."""
     return f"{v:+.{digits}f}"
 
 
@@ -130,6 +131,7 @@ def net_saving_line(selection_s: float, train_s: float, full_s: float, measured:
 
 
 def sequence_note(sequences: dict[str, dict[str, int]]) -> str:
+    """What the held-out split lost to skipping and truncation, in parentheses (or nothing)."""
     parts = [f"{n} skipped ({k})" for k, n in sequences.get("skipped", {}).items()]
     parts += [f"{n} truncated at {k}" for k, n in sequences.get("truncated", {}).items()]
     return f" ({', '.join(parts)})" if parts else ""

@@ -22,45 +22,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.data import json_text
-from cluster_pipeline.data.formats import EVAL_CONFIG_NAME
 from cluster_pipeline.evaluation import plots, render
 from cluster_pipeline.evaluation.statistics import Comparison, paired_bootstrap
-from cluster_pipeline.evaluation.suites import BENCHMARKS, ItemScores, lower_is_better
+from cluster_pipeline.evaluation.suites import ItemScores, lower_is_better
 from cluster_pipeline.selection.selectors import REWEIGHTED_SELECTORS
 from cluster_pipeline.storage.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
 from cluster_pipeline.training.checkpointing import TRAINING_INFO, Checkpoint
-
-DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}
-
-
-def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
-    """The benchmarks that apply to a dataset partition: ``benchmarks`` in
-    ``data/raw/<dataset>/eval.json`` if present, else the built-in default (code benchmarks for
-    python_stdlib), else none (held-out loss only).
-
-    Raises:
-        ValueError: eval.json is not strict JSON (:class:`~cluster_pipeline.data.json_text.
-            JsonTextError`, at ``file:line:column``), not such an object, or names an unknown
-            benchmark.
-    """
-    path = raw_dir / dataset / EVAL_CONFIG_NAME
-    if path.exists():
-        value = json_text.load(path, 'Write one JSON object like {"benchmarks": ["mmlu_medical"]}.')
-        listed = value.get("benchmarks", []) if isinstance(value, dict) else None
-        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
-            raise ValueError(
-                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}}, got '
-                f"{json.dumps(value, ensure_ascii=False)[:120]}"
-            )
-        names = tuple(listed)
-        unknown = set(names) - set(BENCHMARKS)
-        if unknown:
-            raise ValueError(
-                f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}"
-            )
-        return names
-    return DEFAULT_BENCHMARKS.get(dataset, ())
 
 
 @dataclass(frozen=True)
@@ -98,7 +65,7 @@ RUN_ONLY_SETTINGS = frozenset(
 # Selection settings (recorded in a checkpoint's provenance) that make runs of a selector
 # different setups: the capacity slack alpha and the clustered representation change which
 # samples every selector but ``full`` trains on.
-SETUP_PROVENANCE = ("alpha", "representation")
+SETUP_PROVENANCE = ("alpha", "representation", "balance")
 
 
 def setup_values(ckpt: Checkpoint) -> dict[str, Any]:

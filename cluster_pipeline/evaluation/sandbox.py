@@ -58,6 +58,7 @@ class ExecutionResult:
 
     @property
     def passed(self) -> bool:
+        """Whether the program exited 0 within its limits."""
         return self.status == "passed"
 
 

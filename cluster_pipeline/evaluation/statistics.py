@@ -19,10 +19,12 @@ test at the 5 % level would detect with 80 % power given the observed spread.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
+import polars as pl
 
 Verdict = Literal["better", "no detectable difference", "worse"]
 # (z_{1 - 0.05/2} + z_{0.8}): detectable at the 5 % level with 80 % power.
@@ -59,12 +61,15 @@ class Comparison:
 
     @property
     def verdict(self) -> Verdict:
+        """Better / worse when the interval excludes 0 on that side, else no detectable
+        difference."""
         if self.low <= 0.0 <= self.high or not np.isfinite([self.low, self.high]).all():
             return "no detectable difference"
         improved = self.high < 0.0 if self.lower_is_better else self.low > 0.0
         return "better" if improved else "worse"
 
     def to_dict(self) -> dict:
+        """The comparison as JSON-ready fields, its verdict included."""
         return {**asdict(self), "verdict": self.verdict}
 
 
@@ -86,7 +91,12 @@ def paired_bootstrap(
         candidate: (S_a, n) float, one row per candidate seed, one column per item.
         reference: (S_b, n) float, the same items in the same order.
         weights: (n,) non-negative item weights (None = equal).
+        metric: the metric's name, recorded in the result.
+        names: (candidate, reference) group names, recorded in the result.
         lower_is_better: how to read the sign for the verdict.
+        confidence: the interval's coverage (0.95).
+        n_resamples: bootstrap resamples.
+        seed: the bootstrap's seed.
 
     Raises:
         ValueError: the arrays disagree on n, n < 2, or the weights sum to 0.
@@ -175,6 +185,7 @@ class DiversitySums:
         self.count = 0
 
     def add(self, vectors: np.ndarray, copies: np.ndarray | None = None) -> None:
+        """Add (b, d) gradients, each trained ``copies`` times (default once)."""
         g = np.asarray(vectors, dtype=np.float64)
         c = np.ones(len(g)) if copies is None else np.asarray(copies, dtype=np.float64)
         self.sq_norms += float(c @ np.einsum("ij,ij->i", g, g))
@@ -215,3 +226,23 @@ def gradient_diversity(vectors: np.ndarray) -> float:
     sums = DiversitySums()
     sums.add(g)
     return sums.value
+
+
+def subset_and_pool_diversity(
+    batches: Iterable[tuple[pl.Series, np.ndarray]], copies: pl.DataFrame
+) -> tuple[float, float]:
+    """Gradient diversity (:func:`gradient_diversity`) of a subset as trained and of its pool,
+    streamed: ``batches`` of (sample ids, (b, d) gradient proxies), ``copies`` a frame of
+    ``sample_id`` and ``copies`` (times trained, 0 outside the subset) for the pool's samples;
+    samples absent from ``copies`` (not clustered) are left out of both.
+
+    Raises:
+        ValueError: no sample of the batches is in ``copies``, or the subset is empty.
+    """
+    subset, pool = DiversitySums(), DiversitySums()
+    for ids, gradients in batches:
+        counts = ids.to_frame().join(copies, on="sample_id", how="left", maintain_order="left")
+        clustered = counts["copies"].is_not_null().to_numpy()
+        subset.add(gradients[clustered], counts["copies"].to_numpy()[clustered])
+        pool.add(gradients[clustered])
+    return subset.value, pool.value

@@ -45,6 +45,8 @@ import polars as pl
 import torch
 from pydantic import Field, field_validator
 
+from cluster_pipeline.data import json_text
+from cluster_pipeline.data.formats import EVAL_CONFIG_NAME
 from cluster_pipeline.data.tokenization import (
     ChatTemplateError,
     EncodedSample,
@@ -81,10 +83,12 @@ class ItemScores:
     values: list[float]
 
     def mean(self) -> float:
+        """The weighted mean of the values (nan when the weights sum to 0)."""
         w = np.asarray(self.weights, dtype=np.float64)
         return float((w * np.asarray(self.values)).sum() / w.sum()) if w.sum() > 0 else math.nan
 
     def to_dict(self) -> dict[str, list]:
+        """The scores as lists, for JSON."""
         return asdict(self)
 
 
@@ -178,7 +182,7 @@ def heldout_loss(
 
 @dataclass(frozen=True)
 class CodeProblem:
-    """One function-completion problem: the program run is ``prompt + completion + "\\n" +
+    r"""One function-completion problem: the program run is ``prompt + completion + "\\n" +
     test``."""
 
     task_id: str
@@ -753,6 +757,26 @@ class EvalJob(JobFile):
     """One model's evaluation: settings, the model, the pinned held-out split's table, the
     benchmarks and where their files are, and the JSON file the outcome is written to."""
 
+    @classmethod
+    def partial(
+        cls, settings: EvalSettings, instructions, benchmarks: list[str], folders: Sequence[Path]
+    ) -> Callable[[str, str], EvalJob]:
+        """``(model path, outcome file) -> EvalJob`` for one report's models: the same settings,
+        held-out table version (``instructions``, a TableRef) and benchmarks for each."""
+
+        def job(model_path: str, output: str) -> EvalJob:
+            return cls(
+                settings=settings,
+                model_path=model_path,
+                instructions_uri=instructions.uri,
+                instructions_version=instructions.version,
+                benchmarks=benchmarks,
+                eval_folders=[str(f) for f in folders],
+                output=output,
+            )
+
+        return job
+
     settings: EvalSettings
     model_path: str
     instructions_uri: str
@@ -760,3 +784,62 @@ class EvalJob(JobFile):
     benchmarks: list[str]
     eval_folders: list[str]
     output: str
+
+
+DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}
+
+
+def dataset_benchmarks(dataset: str, raw_dir: Path) -> tuple[str, ...]:
+    """The benchmarks that apply to a dataset partition: ``benchmarks`` in
+    ``data/raw/<dataset>/eval.json`` if present, else the built-in default (code benchmarks for
+    python_stdlib), else none (held-out loss only).
+
+    Raises:
+        ValueError: eval.json is not strict JSON (:class:`~cluster_pipeline.data.json_text.
+            JsonTextError`, at ``file:line:column``), not such an object, or names an unknown
+            benchmark.
+    """
+    path = raw_dir / dataset / EVAL_CONFIG_NAME
+    if path.exists():
+        value = json_text.load(path, 'Write one JSON object like {"benchmarks": ["mmlu_medical"]}.')
+        listed = value.get("benchmarks", []) if isinstance(value, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise ValueError(
+                f'{path}: expected a JSON object like {{"benchmarks": ["mmlu_medical"]}}, got '
+                f"{json.dumps(value, ensure_ascii=False)[:120]}"
+            )
+        names = tuple(listed)
+        unknown = set(names) - set(BENCHMARKS)
+        if unknown:
+            raise ValueError(
+                f"{path}: unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}"
+            )
+        return names
+    return DEFAULT_BENCHMARKS.get(dataset, ())
+
+
+def plan_suites(
+    dataset: str, settings: EvalSettings, raw_dir: Path, default_folders: Sequence[Path]
+) -> tuple[dict[str, list], dict[str, str], list[Path]]:
+    """Which benchmarks a dataset is judged on and their items: ``settings.benchmarks``, else
+    the dataset's own (:func:`dataset_benchmarks`), read from ``settings.eval_data_dir`` or else
+    ``default_folders``; refuses, before any model is loaded, to run generated code where the
+    sandbox cannot isolate it (unless ``unsafe_sandbox``).
+
+    Returns:
+        (benchmark -> items, benchmark -> why it was skipped, the folders searched).
+
+    Raises:
+        ValueError: the dataset's eval.json is malformed or names an unknown benchmark.
+        SandboxUnavailableError: code benchmarks to generate and no sandbox.
+    """
+    names = (
+        settings.benchmarks
+        if settings.benchmarks is not None
+        else dataset_benchmarks(dataset, raw_dir)
+    )
+    folders = [Path(settings.eval_data_dir)] if settings.eval_data_dir else list(default_folders)
+    suites, skipped = load_suites(names, settings, folders)
+    if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
+        check_sandbox(settings.unsafe_sandbox)
+    return suites, skipped, folders

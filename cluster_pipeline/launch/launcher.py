@@ -21,6 +21,8 @@ _PARENT = os.getppid()
 
 
 def main() -> None:
+    """Torchrun's own ``main`` in a process that dies with its parent (the Dagster step), and
+    each rank's exit recorded for the failure report."""
     die_with_parent(signal.SIGTERM, expected_parent=_PARENT)
     # torchrun's agent runs in this process, so it is the ranks' parent.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())

@@ -1,4 +1,4 @@
-"""A torchrun entry point as a Slurm batch job: one torchrun agent per Slurm task, c10d
+r"""A torchrun entry point as a Slurm batch job: one torchrun agent per Slurm task, c10d
 rendezvous on the job's first node, state polled with ``squeue``/``sacct``, ``scancel`` to stop.
 
 The batch script (``job.sbatch``) runs, on the job's first node::
@@ -111,6 +111,7 @@ class SlurmSpec:
 
     @property
     def agents(self) -> int:
+        """Torchrun agents in the job: nodes x agents per node."""
         return self.nodes * self.agents_per_node
 
 
@@ -125,10 +126,12 @@ class JobState:
 
     @property
     def done(self) -> bool:
+        """Whether the job has ended (any terminal state)."""
         return self.state in DONE_STATES
 
     @property
     def failed(self) -> bool:
+        """Whether the job ended in a failed state (FAILED, TIMEOUT, OUT_OF_MEMORY, ...)."""
         return self.state in FAILED_STATES
 
 

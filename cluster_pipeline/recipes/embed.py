@@ -42,6 +42,7 @@ from cluster_pipeline.training.embedding_pass import run_pass
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """The embedding pass on this rank, from ``--config <EmbedJob JSON>``."""
     run_entry_point(EmbedJob, run_pass, argv, __doc__ or "")
 
 

@@ -22,6 +22,7 @@ from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_p
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """One model's evaluation, from ``--config <EvalJob JSON>``."""
     run_entry_point(EvalJob, evaluate, argv, __doc__ or "")
 
 

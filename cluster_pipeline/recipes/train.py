@@ -45,6 +45,7 @@ from cluster_pipeline.training.loop import train
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """Data-parallel fine-tuning on this rank, from ``--config <TrainJob JSON>``."""
     run_entry_point(TrainJob, train, argv, __doc__ or "")
 
 

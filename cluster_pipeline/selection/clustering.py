@@ -119,7 +119,7 @@ class CapacityAssignment:
 
 
 def capacity(n: int, k: int, alpha: float) -> int:
-    """cap = ceil(alpha * N / K) (docs/design.md, step 2).
+    """Cap = ceil(alpha * N / K) (docs/design.md, step 2).
 
     The reference reassigns when the largest k-means cluster exceeds 1.5 N / K, with this cap;
     a largest size between 1.5 N / K and the cap reassigns nothing there (no cluster is full
@@ -385,6 +385,7 @@ class KMeansFit:
 
     @property
     def restarts(self) -> int:
+        """k-means runs made."""
         return len(self.restart_inertias)
 
 
@@ -395,7 +396,7 @@ def kmeans(
     niter: int = KMEANS_NITER,
     restarts: int = KMEANS_RESTARTS,
 ) -> KMeansFit:
-    """faiss k-means on all rows of x (n, d) float32 (the caller samples): ``restarts`` runs,
+    """Faiss k-means on all rows of x (n, d) float32 (the caller samples): ``restarts`` runs,
     each seeded by k-means++ (Arthur & Vassilvitskii 2007: every next centroid drawn with
     probability proportional to its squared distance to the nearest one chosen; faiss's
     ``ClusteringInitMethod_KMEANS_PLUS_PLUS``) and refined by up to ``niter`` Lloyd iterations,
@@ -489,7 +490,9 @@ def cluster_stream(
         alpha: capacity slack, >= 1 (1.5, the reference's soft cap; 1 = exact balance).
         seed: seed of the sample, of k-means and of the capacity step's subsample; the result
             is deterministic for a given seed and stream.
-        niter, restarts: the k-means search (:func:`kmeans`).
+        niter: Lloyd iterations at most per k-means run (:func:`kmeans`).
+        max_train_points: rows of the seeded sample k-means trains on.
+        restarts: k-means runs from different k-means++ seedings (:func:`kmeans`).
 
     Raises:
         ValueError: K < 1, alpha < 1, fewer finite rows than K, or batches of unequal width.

@@ -61,7 +61,7 @@ def decoder_and_head(model):
 def gold_log_probs(
     hidden: torch.Tensor, targets: torch.Tensor, head, chunk_rows: int
 ) -> torch.Tensor:
-    """log softmax(head(hidden))[targets] for (M, d) hidden rows and (M,) targets, in chunks of
+    """Log softmax(head(hidden))[targets] for (M, d) hidden rows and (M,) targets, in chunks of
     ``chunk_rows`` rows; returns (M,) float32. Peak extra memory is chunk_rows x V floats."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_rows):
@@ -168,7 +168,15 @@ def embed_samples(
     tokens. The results do not depend on the batching (to float32 rounding).
 
     Args:
+        model: the causal LM (eval mode).
         encoded: the samples; those with a ``skip_reason`` are not run.
+        pad_token_id: the id padding is written with.
+        max_batch_size: padded batches: most samples per batch.
+        max_batch_tokens: most tokens per batch (packed: real tokens; padded: padded tokens).
+        packing: pack where the model can.
+        max_packed_length: most tokens per packed row.
+        chunk_rows: LM-head rows per chunk (:func:`gold_log_probs`).
+        autocast_dtype: e.g. torch.bfloat16 for autocast, None for the model's dtype.
         on_batch: called with (samples, real tokens) after each batch.
 
     Returns:

@@ -65,6 +65,7 @@ class ShardManifest:
 
     @property
     def n_samples(self) -> int:
+        """Entries of the shard (copies counted)."""
         return len(self.sample_ids)
 
     @property
@@ -76,6 +77,7 @@ class ShardManifest:
         return h.hexdigest()
 
     def to_dict(self) -> dict:
+        """The manifest as JSON-ready fields, with its size and content hash."""
         d = asdict(self)
         d["sample_ids"] = list(self.sample_ids)
         d["n_samples"] = self.n_samples
@@ -110,6 +112,8 @@ class ShardManifest:
 
 @dataclass(frozen=True)
 class Allocation:
+    """The K shard manifests of a selection and the samples dropped to make shards equal."""
+
     manifests: list[ShardManifest]
     dropped: int
 
@@ -120,6 +124,7 @@ class Allocation:
 
     @property
     def tokens_per_rank(self) -> list[int]:
+        """Tokens of each rank's shard, in rank order."""
         return [m.tokens for m in self.manifests]
 
     @property
@@ -141,11 +146,13 @@ def allocate(
     """Build the K shard manifests from a selection.
 
     Args:
+        dataset: the partition, recorded in every manifest.
         sample_ids: (N,) str.
         labels: (N,) int64 cluster per sample.
         selection: the selector's result over the same N samples; its ``balance`` decides how
             unclustered selections are dealt.
         k: world size K.
+        seed: seed of each shard's order (and of the unclustered deal).
         lengths: (N,) int64 tokens per sample (needed under token balance; recorded in the
             manifests when given).
 

@@ -61,6 +61,7 @@ class JsonCache:
         self.folder = folder
 
     def path(self, key: str) -> Path:
+        """The file of ``key``."""
         return self.folder / f"{key}.json"
 
     def get(self, key: str) -> Any | None:
@@ -71,6 +72,7 @@ class JsonCache:
             return None
 
     def put(self, key: str, value: Any) -> Path:
+        """Store ``value`` under ``key`` atomically (a temporary file renamed); returns the file."""
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=self.folder)
         with os.fdopen(fd, "w") as f:

@@ -10,9 +10,12 @@ loading torch.
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
+
+from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
 
 CHUNK_SCHEMA = {
     "sample_id": pl.String,
@@ -47,10 +50,12 @@ PASS_IDS = "sample_ids.parquet"
 
 
 def chunk_path(chunk_dir: Path, index: int) -> Path:
+    """The file of chunk ``index`` of a pass."""
     return chunk_dir / f"chunk_{index:06d}.parquet"
 
 
 def n_chunks(n_samples: int, chunk_size: int) -> int:
+    """Chunks of a pass over ``n_samples``: ceil(n / chunk_size)."""
     return math.ceil(n_samples / chunk_size)
 
 
@@ -221,3 +226,49 @@ def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:
             f"{cache_dir}: {len(missing)} samples (e.g. {missing[0]!r}) have no cached embedding"
         )
     return frame.select(list(CHUNK_SCHEMA))
+
+
+def cache_key(model_path: str, cache_fields: dict) -> str:
+    """The cache folder's key: what changes the numbers (the model's files, the settings that
+    change the embeddings, the chunk format), not the pool, so a refresh after new data embeds
+    only the new samples."""
+    return stable_hash(model_fingerprint(model_path), cache_fields, CHUNK_FORMAT)
+
+
+@dataclass(frozen=True)
+class PendingPass:
+    """The samples a pass must embed, the folder its chunks go to (named by those samples, so
+    a killed pass resumes its chunks), the file listing them, and whether its chunks are all
+    written already."""
+
+    pass_dir: Path
+    sample_ids: list[str]
+    ids_file: Path
+    finished: bool
+
+
+def pending_pass(
+    cache_dir: Path, sample_ids: list[str], chunk_size: int, recompute: bool
+) -> PendingPass | None:
+    """The pass the cache at ``cache_dir`` needs for ``sample_ids``: every sample with
+    ``recompute`` (the cache is replaced only once the pass has finished), else those it lacks;
+    None when it lacks none.
+
+    Raises:
+        CacheUnreadable: the cache's files are damaged (the message names the folder).
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    pending = list(sample_ids) if recompute else pending_ids(cache_dir, sample_ids)
+    if not pending:
+        return None
+    pass_dir = cache_dir / f"pass_{stable_hash(pending)}"
+    ids_file = write_pass_ids(pass_dir, pending)
+    finished = chunks_done(pass_dir, len(pending), chunk_size) >= n_chunks(len(pending), chunk_size)
+    return PendingPass(pass_dir, pending, ids_file, finished)
+
+
+def pool_seconds(cache_dir: Path, n_samples: int) -> float:
+    """What one pass over ``n_samples`` costs at the rate the cache's passes measured
+    (seconds; model load excluded): the selection cost of a pool, cached or not."""
+    totals = cached_pass_stats(cache_dir)
+    return totals.get("seconds", 0.0) / max(totals.get("samples", 0.0), 1.0) * n_samples

@@ -31,5 +31,6 @@ class JobFile(_Model):
         return cls.model_validate_json(Path(path).read_text())
 
     def dump(self, path: str | Path) -> Path:
+        """Write the job as indented JSON to ``path``; returns the path."""
         Path(path).write_text(self.model_dump_json(indent=1))
         return Path(path)

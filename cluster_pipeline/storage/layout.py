@@ -62,18 +62,22 @@ class DataLayout:
 
     @classmethod
     def at(cls, data_dir: str | Path) -> DataLayout:
+        """The layout of the data folder ``data_dir`` (resolved to an absolute path)."""
         return cls(Path(data_dir).resolve())
 
     @property
     def raw_dir(self) -> Path:
+        """``raw/``: one folder per dataset partition."""
         return self.root / "raw"
 
     @property
     def models_dir(self) -> Path:
+        """``models/``: base models converted once (the built-in GGUF as safetensors)."""
         return self.root / "models"
 
     @property
     def eval_dir(self) -> Path:
+        """``eval/``: benchmark files (``mbpp_reworded.json``, ``mmlu.jsonl``)."""
         return self.root / "eval"
 
     def table_uri(self, asset: str, dataset: str) -> str:
@@ -81,18 +85,24 @@ class DataLayout:
         return str(self.root / "tables" / asset / storage_name(dataset))
 
     def embedding_cache_dir(self, dataset: str, key: str) -> Path:
+        """The per-sample embedding cache of ``dataset`` under ``key`` (model, tokenizer and
+        settings)."""
         return self.root / "cache" / "embeddings" / storage_name(dataset) / key
 
     def shards_dir(self, dataset: str, manifest_set_sha256: str) -> Path:
+        """The folder of one manifest set (named by its content hash)."""
         return self.root / "shards" / storage_name(dataset) / manifest_set_sha256[:16]
 
     def checkpoints_dir(self, dataset: str) -> Path:
+        """The checkpoints of ``dataset``, one folder each."""
         return self.root / "checkpoints" / storage_name(dataset)
 
     def reports_dir(self, dataset: str) -> Path:
+        """``eval_report``'s Markdown, JSON and plots for ``dataset``."""
         return self.root / "reports" / storage_name(dataset)
 
     def eval_cache_dir(self, dataset: str) -> Path:
+        """The evaluation cache of ``dataset``: one outcome per model and settings."""
         return self.reports_dir(dataset) / "evals"
 
     def datasets_with_tables(self, asset: str = RAW_INSTRUCTIONS) -> list[str]:

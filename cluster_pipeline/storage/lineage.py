@@ -111,7 +111,7 @@ def subset_diff(old: pl.DataFrame, new: pl.DataFrame) -> dict[str, list[str]]:
 
 
 def latest_tables(layout: DataLayout, dataset: str) -> dict[str, tuple[int, pl.DataFrame] | None]:
-    """stage -> (version, frame) of the latest version of each lineage stage's table, or None
+    """Stage -> (version, frame) of the latest version of each lineage stage's table, or None
     where the stage has no table yet. Used where no Dagster instance is at hand (the CLI);
     the ``sample_lineage`` asset reads the versions its shard manifests were built from.
 

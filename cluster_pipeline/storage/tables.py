@@ -24,6 +24,7 @@ class TableRef:
     version: int
 
     def read(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """This version of the table (all columns, or ``columns``)."""
         return pl.read_delta(self.uri, version=self.version, columns=columns)
 
     def row_count(self) -> int:

@@ -93,10 +93,12 @@ class Checkpoint:
 
     @property
     def train_seconds(self) -> float | None:
+        """Seconds of the training loop (resumed runs included), or None."""
         return self.info.get("train_seconds")
 
     @property
     def data_fraction(self) -> float | None:
+        """Distinct selected samples / pool size, as recorded at launch, or None."""
         return self.provenance.get("data_fraction")
 
     def mean_grad_cosine(self) -> float | None:
@@ -129,7 +131,7 @@ def list_checkpoints(root: Path) -> list[Checkpoint]:
 
 
 def checkpoints_by_manifest(checkpoints: list[Checkpoint]) -> dict[str, list[str]]:
-    """manifest sha256 -> paths of the checkpoints trained on that manifest."""
+    """Manifest sha256 -> paths of the checkpoints trained on that manifest."""
     out: dict[str, list[str]] = {}
     for ckpt in checkpoints:
         for sha in ckpt.manifest_sha256:
@@ -156,16 +158,19 @@ class CheckpointDir:
         self.root = root
 
     def all(self) -> list[Path]:
+        """The complete ``step_<n>/`` folders, oldest first."""
         if not self.root.is_dir():
             return []
         done = [p for p in self.root.glob("step_*") if (p / TRAINING_STATE).exists()]
         return sorted(done, key=lambda p: int(p.name.split("_")[-1]))
 
     def latest(self) -> Path | None:
+        """The newest complete step folder, or None."""
         found = self.all()
         return found[-1] if found else None
 
     def step_dir(self, step: int) -> Path:
+        """The folder of step ``step``."""
         return self.root / f"step_{step:07d}"
 
     def save(self, model, tokenizer, step: int, state: dict, keep: int) -> Path:
@@ -265,6 +270,7 @@ class SafetensorsRows:
         return file, data_start + meta["data_offsets"][0], meta
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``."""
         return tuple(self.entry(name)[2]["shape"])
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:

@@ -31,10 +31,12 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0, the one that logs, reports and saves."""
         return self.rank == 0
 
     @property
     def device(self) -> torch.device:
+        """This rank's device: its GPU (LOCAL_RANK) where CUDA is available, else the CPU."""
         if torch.cuda.is_available():
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
@@ -58,6 +60,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
 
 
 def shutdown_distributed() -> None:
+    """Leave the process group (if joined)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -71,6 +74,7 @@ class Reporter:
         self.pipes = pipes
 
     def info(self, message: str) -> None:
+        """Log ``message`` from rank 0 (Pipes, else stdout)."""
         if not self.env.is_main:
             return
         if self.pipes is not None:
@@ -79,6 +83,7 @@ class Reporter:
             print(message, flush=True)
 
     def materialization(self, metadata: dict) -> None:
+        """Report the asset's materialization metadata from rank 0 (Pipes, else stdout as JSON)."""
         if not self.env.is_main:
             return
         if self.pipes is not None:

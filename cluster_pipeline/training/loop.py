@@ -145,10 +145,12 @@ class TrainRun:
 
     @property
     def total_steps(self) -> int:
+        """Optimizer steps of the whole run."""
         return len(self.plan)
 
     @property
     def settings(self) -> TrainSettings:
+        """The run's training settings."""
         return self.job.settings
 
 

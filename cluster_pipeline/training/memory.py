@@ -73,6 +73,7 @@ class MemoryTrace:
         self.marks: list[dict[str, Any]] = []
 
     def mark(self, label: str) -> None:
+        """Record resident memory (now and peak) and torch's allocator figures under ``label``."""
         rss, peak = resident_bytes()
         entry: dict[str, Any] = {
             "label": label,

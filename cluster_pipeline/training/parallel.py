@@ -101,6 +101,7 @@ def wrap(model, cfg: TrainSettings, device: torch.device):
 
 
 def is_fsdp(module) -> bool:
+    """Whether ``module`` is sharded by FSDP2 (``fully_shard``)."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)

@@ -42,10 +42,12 @@ class MicroBatch:
 
     @property
     def samples(self) -> list[int]:
+        """The micro-batch's sample positions, row by row."""
         return [i for row in self.rows for i in row]
 
     @property
     def placeholder(self) -> bool:
+        """Whether this is a placeholder (no rows: one padding token, no loss)."""
         return not self.rows
 
 
@@ -58,6 +60,7 @@ class Step:
 
     @property
     def samples(self) -> list[int]:
+        """The step's sample positions, micro-batch by micro-batch."""
         return [i for mb in self.micro_batches for i in mb.samples]
 
 
@@ -153,6 +156,12 @@ def plan_packed(
 
     Args:
         lengths_per_rank: per rank, the token length of each sample of its shard.
+        max_tokens_per_micro_batch: most real tokens per micro-batch (a longer sample alone).
+        max_packed_length: most tokens per packed row.
+        accumulation: micro-batches per step the step count is sized for.
+        epochs: passes over each shard.
+        seed: the training seed (epoch e's order: ``default_rng([seed, e])``).
+        max_steps: cut the plan after this many steps (None: all epochs).
 
     Raises:
         ValueError: a rank without samples or a sample without tokens.

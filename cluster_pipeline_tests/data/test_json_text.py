@@ -15,7 +15,7 @@ from cluster_pipeline.data.formats import (
     read_dataset_folder,
     read_fields,
 )
-from cluster_pipeline.evaluation.report import dataset_benchmarks
+from cluster_pipeline.evaluation.suites import dataset_benchmarks
 
 JSON_HINT = (
     "A .json file holds one JSON value (an array of records or one record) or several in a row "

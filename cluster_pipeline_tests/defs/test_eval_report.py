@@ -11,15 +11,9 @@ import pytest
 
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline.evaluation.render import summary_table
-from cluster_pipeline.evaluation.report import (
-    ModelResult,
-    aggregate,
-    compare_groups,
-    dataset_benchmarks,
-    render_report,
-)
+from cluster_pipeline.evaluation.report import ModelResult, aggregate, compare_groups, render_report
 from cluster_pipeline.evaluation.sandbox import sandbox_problem
-from cluster_pipeline.evaluation.suites import ItemScores
+from cluster_pipeline.evaluation.suites import ItemScores, dataset_benchmarks
 from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
 
 ASSETS = pipeline_assets()

@@ -27,6 +27,8 @@ from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 
 class BalancedClustersConfig(dg.Config):
+    """The clustering knobs of a run (launchpad, YAML, CLI)."""
+
     num_clusters: int = Field(
         default=2,
         ge=1,

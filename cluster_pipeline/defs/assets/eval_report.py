@@ -13,14 +13,13 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.report import (
-    dataset_benchmarks,
     evaluate_entries,
     item_scores_frame,
     model_entries,
     render_report,
 )
-from cluster_pipeline.evaluation.sandbox import check_sandbox, sandbox_problem
-from cluster_pipeline.evaluation.suites import CODE_BENCHMARKS, EvalJob, EvalSettings, load_suites
+from cluster_pipeline.evaluation.sandbox import sandbox_problem
+from cluster_pipeline.evaluation.suites import EvalJob, EvalSettings, plan_suites
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
@@ -69,24 +68,14 @@ def eval_report(
             "with heldout_fraction > 0"
         )
     settings = settings_of(config, EvalSettings)
-    try:
-        names = (
-            settings.benchmarks
-            if settings.benchmarks is not None
-            else dataset_benchmarks(dataset, layout.raw_dir)
+    try:  # refuses before any model is loaded
+        suites, skipped, folders = plan_suites(
+            dataset, settings, layout.raw_dir, [layout.eval_dir, SHARED_EVAL_DIR]
         )
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e}") from e
-    folders = (
-        [Path(settings.eval_data_dir)]
-        if settings.eval_data_dir
-        else [layout.eval_dir, SHARED_EVAL_DIR]
-    )
-    suites, skipped = load_suites(names, settings, folders)
     for name, reason in skipped.items():
         context.log.info(f"benchmark {name} skipped: {reason}")
-    if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
-        check_sandbox(settings.unsafe_sandbox)  # refuse before any model is loaded
 
     current = read_checkpoint(trained.checkpoint_path)
     if current is None:
@@ -98,26 +87,13 @@ def eval_report(
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
     entries = model_entries(base_model.local_path(storage), checkpoints)
-    # Job files, per-process logs (<job>.logs/) and outcomes, one set per model (a new
-    # evaluation of the same model replaces them; the cache keeps the outcomes).
-    run_dir = layout.eval_cache_dir(dataset) / "jobs"
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    def evaluate(path: str) -> dict:
-        name = stable_hash(path, length=12)
-        job = EvalJob(
-            settings=settings,
-            model_path=path,
-            instructions_uri=instructions.uri,
-            instructions_version=instructions.version,
-            benchmarks=list(suites),
-            eval_folders=[str(f) for f in folders],
-            output=str(run_dir / f"{name}.outcome.json"),
-        )
-        job_file = job.dump(run_dir / f"{name}.job.json")
-        torchrun.run(context, pipes_subprocess_client, RECIPES["evaluate"], 1, job_file, local=True)
-        return json.loads(Path(job.output).read_text())
-
+    evaluate = _evaluator(
+        context,
+        torchrun,
+        pipes_subprocess_client,
+        EvalJob.partial(settings, instructions, list(suites), folders),
+        layout.eval_cache_dir(dataset) / "jobs",
+    )
     results, heldout_stats = evaluate_entries(
         entries,
         evaluate,
@@ -144,31 +120,7 @@ def eval_report(
     path = report.write(layout.reports_dir(dataset))
     scores = write_table(item_scores_frame(results), layout.table_uri(EVAL_ITEM_SCORES, dataset))
     context.log.info(report.summary)
-    current_group = next(r.group for r in results if r.current)
-    record = EvalReportRecord(
-        item_scores=scores,
-        verdicts=[
-            {
-                k: v
-                for k, v in c.to_dict().items()
-                if k in ("reference", "metric", "difference", "low", "high", "verdict")
-            }
-            for c in report.comparisons
-            if c.candidate == current_group
-        ],
-        report_path=str(path),
-        checkpoint_path=str(current.path),
-        models_compared=len(results),
-        train_seconds=round(report.train_seconds, 2),
-        full_training_seconds=round(report.full_training_seconds, 2),
-        full_training_measured=report.full_training_measured,
-        data_fraction=report.data_fraction,
-        heldout_sequences=heldout_stats["sequences"],
-        base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
-        tuned={
-            m: round(float(v), 5) for m, v in next(r for r in results if r.current).metrics.items()
-        },
-    )
+    record = _record(report, results, scores, path, str(current.path), heldout_stats)
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
@@ -179,3 +131,43 @@ def eval_report(
             ),
         }
     )
+
+
+def _record(report, results, scores, path, checkpoint: str, heldout_stats) -> EvalReportRecord:
+    """The stage's record: the current run's verdicts, cost figures and both models' metrics."""
+    current = next(r for r in results if r.current)
+    kept = ("reference", "metric", "difference", "low", "high", "verdict")
+    return EvalReportRecord(
+        item_scores=scores,
+        verdicts=[
+            {k: v for k, v in c.to_dict().items() if k in kept}
+            for c in report.comparisons
+            if c.candidate == current.group
+        ],
+        report_path=str(path),
+        checkpoint_path=checkpoint,
+        models_compared=len(results),
+        train_seconds=round(report.train_seconds, 2),
+        full_training_seconds=round(report.full_training_seconds, 2),
+        full_training_measured=report.full_training_measured,
+        data_fraction=report.data_fraction,
+        heldout_sequences=heldout_stats["sequences"],
+        base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
+        tuned={m: round(float(v), 5) for m, v in current.metrics.items()},
+    )
+
+
+def _evaluator(context, torchrun, pipes_client, job_of, run_dir: Path):
+    """``path -> outcome``: one model's evaluation in its own process (torchrun, one rank, on
+    this machine), its job file, logs (``<job>.logs/``) and outcome under ``run_dir``, one set
+    per model (a new evaluation of the same model replaces them; the cache keeps outcomes)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def evaluate(path: str) -> dict:
+        name = stable_hash(path, length=12)
+        job = job_of(path, str(run_dir / f"{name}.outcome.json"))
+        job_file = job.dump(run_dir / f"{name}.job.json")
+        torchrun.run(context, pipes_client, RECIPES["evaluate"], 1, job_file, local=True)
+        return json.loads(Path(job.output).read_text())
+
+    return evaluate

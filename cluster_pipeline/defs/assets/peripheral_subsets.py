@@ -15,7 +15,7 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
-from cluster_pipeline.evaluation.statistics import DiversitySums
+from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
 from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import Balance, Selector, per_cluster_summary, select
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
@@ -23,6 +23,8 @@ from cluster_pipeline.storage.tables import markdown_preview, write_table
 
 
 class PeripheralSubsetsConfig(dg.Config):
+    """The selection knobs of a run: selector, ratio r, balance and seed."""
+
     selector: Selector = Field(
         default="peripheral",
         description="peripheral = farthest from centroid (CluSTER); core = nearest; random = "
@@ -91,13 +93,9 @@ def peripheral_subsets(
     # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
     # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.
     copies = frame.select("sample_id", "copies")
-    subset, pool = DiversitySums(), DiversitySums()
-    for ids, gradients in embeddings.vector_batches("embedding", keep="skip_reason"):
-        counts = ids.to_frame().join(copies, on="sample_id", how="left", maintain_order="left")
-        clustered = counts["copies"].is_not_null().to_numpy()
-        subset.add(gradients[clustered], counts["copies"].to_numpy()[clustered])
-        pool.add(gradients[clustered])
-    diversity, pool_diversity = subset.value, pool.value
+    diversity, pool_diversity = subset_and_pool_diversity(
+        embeddings.vector_batches("embedding", keep="skip_reason"), copies
+    )
     shown = frame.with_row_index("row").sample(min(frame.height, 20000), seed=0)
     if clusters.representation == "gradient_proxy":
         mapped = l2_normalise(embeddings.vectors_for("embedding", shown["sample_id"]))

@@ -13,17 +13,13 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.selection.embedding import assemble_table
-from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
 from cluster_pipeline.storage.embedding_cache import (
-    CHUNK_FORMAT,
     CacheUnreadable,
-    cached_pass_stats,
-    chunks_done,
-    n_chunks,
-    pending_ids,
+    cache_key,
+    pending_pass,
+    pool_seconds,
     read_cached,
     store_pass,
-    write_pass_ids,
 )
 from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
@@ -68,63 +64,45 @@ def proxy_embeddings(
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
     instructions = read_record(context, RawInstructionsRecord)
-    sample_ids = read_train_split(instructions.table.uri, instructions.table.version)[
-        "sample_id"
-    ].to_list()
+    split = read_train_split(instructions.table.uri, instructions.table.version)
+    sample_ids = split["sample_id"].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
-    # Per-sample cache: keyed by what changes the numbers, not by the pool, so a refresh after
-    # new data embeds only the new samples (recipes/embed.py, "Per-sample cache").
-    key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT)
-    cache_dir = layout.embedding_cache_dir(dataset, key)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     if config.world_size % torchrun.agents:
         raise dg.Failure(
             f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
             "agents (nodes): make it a multiple"
         )
+    key = cache_key(model_path, settings.cache_fields())
+    cache_dir = layout.embedding_cache_dir(dataset, key)
     try:
-        # recompute: every sample, and the cache replaced only once the pass has finished.
-        pending = list(sample_ids) if config.recompute else pending_ids(cache_dir, sample_ids)
-    except CacheUnreadable as e:
-        raise dg.Failure(f"{dataset}: {e}") from e
-    pass_seconds, pass_tokens = 0.0, 0.0
-    if pending:
-        # The pass folder is named by its samples, so a killed pass resumes its chunks.
-        pass_dir = cache_dir / f"pass_{stable_hash(pending)}"
-        ids_file = write_pass_ids(pass_dir, pending)
-        if chunks_done(pass_dir, len(pending), settings.chunk_size) < n_chunks(
-            len(pending), settings.chunk_size
-        ):
-            context.log.info(
-                f"embedding {len(pending)} of {len(sample_ids)} samples "
-                f"({len(sample_ids) - len(pending)} cached under {cache_dir})"
-            )
-            job = EmbedJob(
-                settings=settings,
-                model_path=model_path,
-                instructions_uri=instructions.table.uri,
-                instructions_version=instructions.table.version,
-                chunk_dir=str(pass_dir),
-                sample_ids_file=str(ids_file),
-            )
-            torchrun.run(
-                context,
-                pipes_subprocess_client,
-                RECIPES["embed"],
-                config.world_size // torchrun.agents,
-                job.dump(pass_dir / "embed_job.json"),
-            )
-        try:
-            stats = store_pass(cache_dir, pass_dir, pending, settings.chunk_size, config.recompute)
-        except CacheUnreadable as e:
-            raise dg.Failure(f"{dataset}: {e}") from e
-        except (FileNotFoundError, ValueError) as e:
-            raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
-        pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
-    else:
-        context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
-    try:
+        todo = pending_pass(cache_dir, sample_ids, settings.chunk_size, config.recompute)
+        stats = {}
+        if todo is not None:
+            if not todo.finished:
+                context.log.info(
+                    f"embedding {len(todo.sample_ids)} of {len(sample_ids)} samples "
+                    f"({len(sample_ids) - len(todo.sample_ids)} cached under {cache_dir})"
+                )
+                job = EmbedJob(
+                    settings=settings,
+                    model_path=model_path,
+                    instructions_uri=instructions.table.uri,
+                    instructions_version=instructions.table.version,
+                    chunk_dir=str(todo.pass_dir),
+                    sample_ids_file=str(todo.ids_file),
+                )
+                job_file = job.dump(todo.pass_dir / "embed_job.json")
+                nproc = config.world_size // torchrun.agents
+                torchrun.run(context, pipes_subprocess_client, RECIPES["embed"], nproc, job_file)
+            try:
+                stats = store_pass(
+                    cache_dir, todo.pass_dir, todo.sample_ids, settings.chunk_size, config.recompute
+                )
+            except ValueError as e:  # chunks that hold other samples
+                raise FileNotFoundError(str(e)) from e
+        else:
+            context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
         result = assemble_table(read_cached(cache_dir, sample_ids))
     except CacheUnreadable as e:
         raise dg.Failure(f"{dataset}: {e}") from e
@@ -133,50 +111,48 @@ def proxy_embeddings(
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
     table = write_table(result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset))
-    seconds = time.perf_counter() - start
-    # Selection cost of this pool: one pass over it at the rate the cache's passes measured.
-    totals = cached_pass_stats(cache_dir)
-    rate = totals.get("seconds", 0.0) / max(totals.get("samples", 0.0), 1.0)
-    context.log.info(
-        f"{result.embedded} embedded, {result.frame.height - result.embedded} "
-        f"skipped in {seconds:.1f} s; truncated: {result.truncated or 'none'}"
-    )
-    skipped = result.frame.filter(pl.col("skip_reason").is_not_null())
-    if skipped.height:
-        sources = read_instructions(
-            instructions.table.uri,
-            instructions.table.version,
-            ["sample_id", "source_file", "source_line"],
-        )
-        for row in skipped.head(5).join(sources, on="sample_id").iter_rows(named=True):
-            context.log.info(
-                f"skipped {row['sample_id']} ({row['skip_reason']}, truncation="
-                f"{settings.truncation}): {row['source_file']}:{row['source_line']}"
-            )
+    _log_outcome(context, result, instructions, settings, time.perf_counter() - start)
+    pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
     record = ProxyEmbeddingsRecord(
         table=table,
         inputs=instructions.lineage(),
-        seconds=round(seconds, 3),
-        selection_seconds=round(rate * len(sample_ids), 2),
+        seconds=round(time.perf_counter() - start, 3),
+        selection_seconds=round(pool_seconds(cache_dir, len(sample_ids)), 2),
         embedded=result.embedded,
         skipped=result.skipped,
         truncated=result.truncated,
         hidden_size=result.hidden_size,
         cache_key=key,
-        samples_embedded_now=len(pending),
-        samples_reused=len(sample_ids) - len(pending),
+        samples_embedded_now=len(todo.sample_ids) if todo else 0,
+        samples_reused=len(sample_ids) - (len(todo.sample_ids) if todo else 0),
         embedding_seconds=round(pass_seconds, 2),
         tokens_per_second=round(pass_tokens / max(pass_seconds, 1e-9), 1),
         world_size=config.world_size,
         mean_loss=round(mean_of(result.frame["mean_loss"]), 4),
         base_model=model_path,
     )
+    shown = ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"]
     return dg.MaterializeResult(
-        metadata={
-            **record.to_metadata(),
-            **table_display(
-                result.frame,
-                ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"],
-            ),
-        }
+        metadata={**record.to_metadata(), **table_display(result.frame, shown)}
     )
+
+
+def _log_outcome(context, result, instructions, settings: EmbedSettings, seconds: float) -> None:
+    """The pass's outcome in the run log, and where the first skipped samples come from."""
+    context.log.info(
+        f"{result.embedded} embedded, {result.frame.height - result.embedded} "
+        f"skipped in {seconds:.1f} s; truncated: {result.truncated or 'none'}"
+    )
+    skipped = result.frame.filter(pl.col("skip_reason").is_not_null())
+    if not skipped.height:
+        return
+    sources = read_instructions(
+        instructions.table.uri,
+        instructions.table.version,
+        ["sample_id", "source_file", "source_line"],
+    )
+    for row in skipped.head(5).join(sources, on="sample_id").iter_rows(named=True):
+        context.log.info(
+            f"skipped {row['sample_id']} ({row['skip_reason']}, truncation="
+            f"{settings.truncation}): {row['source_file']}:{row['source_line']}"
+        )

@@ -12,12 +12,14 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.evaluation.report import dataset_benchmarks
+from cluster_pipeline.evaluation.suites import dataset_benchmarks
 from cluster_pipeline.storage.names import RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
 
 
 class RawInstructionsConfig(dg.Config):
+    """The reading knobs of a run: the held-out split and the pool's size."""
+
     heldout_fraction: float = Field(
         default=0.05,
         ge=0.0,

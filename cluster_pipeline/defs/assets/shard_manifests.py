@@ -22,6 +22,8 @@ from cluster_pipeline.storage.tables import write_table
 
 
 class ShardManifestsConfig(dg.Config):
+    """The allocation knobs of a run: the seed of each shard's order."""
+
     seed: int = Field(default=0, ge=0, description="Seed of each shard's sample order.")
 
 

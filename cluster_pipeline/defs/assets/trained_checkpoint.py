@@ -1,7 +1,7 @@
 """Stage 5: DDP fine-tuning under torchrun, one rank per cluster, losses re-weighted."""
 
-import sys
 import time
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -19,7 +19,6 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.launch.torchrun import RECIPES
-from cluster_pipeline.storage.cache import stable_hash
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
     PERIPHERAL_SUBSETS,
@@ -27,16 +26,15 @@ from cluster_pipeline.storage.names import (
     SHARD_MANIFESTS,
 )
 from cluster_pipeline.storage.tables import markdown_table
-from cluster_pipeline.training.checkpointing import finished_for, read_checkpoint, read_metrics
-from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
-from cluster_pipeline.training.memory import (
-    TrainingMemoryError,
-    activation_bytes,
-    available_bytes_per_rank,
-    check_training_memory,
-    parameter_count,
+from cluster_pipeline.training.checkpointing import (
+    Checkpoint,
+    finished_for,
+    read_checkpoint,
+    read_metrics,
 )
-from cluster_pipeline.training.parallel import check_lora_targets
+from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
+from cluster_pipeline.training.memory import TrainingMemoryError
+from cluster_pipeline.training.preflight import check_training_fits, checkpoint_folder
 
 
 class TrainedCheckpointConfig(dg.Config, TrainSettings):
@@ -75,47 +73,18 @@ def trained_checkpoint(
     subsets = pinned_record(context, PeripheralSubsetsRecord, shards.inputs[PERIPHERAL_SUBSETS])
     clusters = pinned_record(context, BalancedClustersRecord, subsets.inputs[BALANCED_CLUSTERS])
     instructions = shards.inputs[RAW_INSTRUCTIONS]
-    if shards.world_size % torchrun.agents:
-        raise dg.Failure(
-            f"{shards.world_size} ranks cannot be split over {torchrun.agents} torchrun agents "
-            "(nodes): make the number of clusters a multiple of it"
-        )
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
-    # Fail before any process starts when the model cannot fit (weights, gradients, AdamW,
-    # activations). Slurm's nodes are not this machine: their memory is only estimated.
-    available = (
-        sys.maxsize
-        if torchrun.launcher == "slurm"
-        else available_bytes_per_rank(shards.world_size // torchrun.agents)
-    )
-    try:
-        memory_per_rank = check_training_memory(
-            parameter_count(model_path),
-            settings,
-            shards.world_size,
-            available,
-            activations=activation_bytes(model_path, settings),
-            checkpointed_activations=activation_bytes(
-                model_path, settings.model_copy(update={"gradient_checkpointing": True})
-            ),
+    try:  # before any process starts
+        memory_per_rank = check_training_fits(
+            model_path, settings, shards.world_size, torchrun.agents, torchrun.launcher == "slurm"
         )
-    except TrainingMemoryError as e:
-        raise dg.Failure(f"dataset {dataset!r}: {e}") from e
-    try:
-        check_lora_targets(model_path, settings)
-    except ValueError as e:
+    except (ValueError, TrainingMemoryError) as e:
         raise dg.Failure(f"dataset {dataset!r}: {e}") from e
     run_dir = storage.layout.checkpoints_dir(dataset)
-    # Same manifests, sample contents, model and settings -> same folder, so a re-executed run
-    # resumes from the interrupted one's latest checkpoint and a finished one is reused, also
-    # after raw_instructions was re-materialized with unchanged data (a new table version).
     sample_ids = set(shards.table.read(["sample_id"])["sample_id"].to_list())
     data = samples_fingerprint(instructions.uri, instructions.version, sample_ids)
-    output_dir = run_dir / (
-        f"{shards.manifest_set_sha256[:12]}-"
-        f"{stable_hash(model_path, data, settings.model_dump(), length=8)}"
-    )
+    output_dir = checkpoint_folder(run_dir, shards.manifest_set_sha256, model_path, data, settings)
     job = TrainJob(
         settings=settings,
         model_path=model_path,
@@ -123,22 +92,7 @@ def trained_checkpoint(
         instructions_version=instructions.version,
         manifests=shards.manifest_paths,
         output_dir=str(output_dir),
-        provenance={
-            "dagster_run_id": context.run.run_id,
-            "dataset": dataset,
-            "manifest_set_sha256": shards.manifest_set_sha256,
-            "selector": subsets.selector,
-            "ratio": subsets.ratio,
-            "alpha": clusters.alpha,
-            "representation": clusters.representation,
-            "selection_seed": subsets.seed,
-            "data_fraction": subsets.data_fraction,
-            "pool_size": subsets.pool_size,
-            "gradient_diversity": subsets.gradient_diversity,
-            "selection_seconds": shards.selection_seconds,
-            "training_seed": settings.seed,
-            **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
-        },
+        provenance=_provenance(context, shards, subsets, clusters, settings),
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = job.dump(run_dir / f"{output_dir.name}.job.json")
@@ -167,28 +121,81 @@ def trained_checkpoint(
     if ckpt is None:
         raise dg.Failure(f"training finished but {output_dir} holds no training_info.json")
     history = read_metrics(output_dir)
-    record = TrainedCheckpointRecord(
-        checkpoint_path=str(output_dir),
+    record = _record(shards, ckpt, history, model_path, reused, time.perf_counter() - start)
+    return dg.MaterializeResult(
+        metadata={
+            **reported,
+            **record.to_metadata(),
+            "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
+            **_display(record, history),
+        }
+    )
+
+
+def _provenance(
+    context: dg.AssetExecutionContext,
+    shards: ShardManifestsRecord,
+    subsets: PeripheralSubsetsRecord,
+    clusters: BalancedClustersRecord,
+    settings: TrainSettings,
+) -> dict[str, Any]:
+    """What ``training_info.json`` records of how the shards were made (the report groups
+    checkpoints by it)."""
+    return {
+        "dagster_run_id": context.run.run_id,
+        "dataset": context.partition_key,
+        "manifest_set_sha256": shards.manifest_set_sha256,
+        "selector": subsets.selector,
+        "ratio": subsets.ratio,
+        "alpha": clusters.alpha,
+        "representation": clusters.representation,
+        "balance": subsets.balance,
+        "selection_seed": subsets.seed,
+        "data_fraction": subsets.data_fraction,
+        "pool_size": subsets.pool_size,
+        "gradient_diversity": subsets.gradient_diversity,
+        "selection_seconds": shards.selection_seconds,
+        "training_seed": settings.seed,
+        **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
+    }
+
+
+def _record(
+    shards: ShardManifestsRecord,
+    ckpt: Checkpoint,
+    history: list[dict[str, Any]],
+    model_path: str,
+    reused: bool,
+    seconds: float,
+) -> TrainedCheckpointRecord:
+    info = ckpt.info
+    return TrainedCheckpointRecord(
+        checkpoint_path=str(ckpt.path),
         inputs=shards.lineage(),
         base_model=model_path,
         world_size=shards.world_size,
         manifest_sha256=ckpt.manifest_sha256,
         manifest_set_sha256=shards.manifest_set_sha256,
         reused_checkpoint=reused,
-        git_commit=str(ckpt.info.get("git_commit")),
-        resumed_from_step=ckpt.info.get("resumed_from_step"),
-        steps=int(ckpt.info.get("steps", len(history))),
-        final_loss=float(ckpt.info.get("final_loss", float("nan"))),
-        seconds=round(time.perf_counter() - start, 2),
+        git_commit=str(info.get("git_commit")),
+        resumed_from_step=info.get("resumed_from_step"),
+        steps=int(info.get("steps", len(history))),
+        final_loss=float(info.get("final_loss", float("nan"))),
+        seconds=round(seconds, 2),
         train_seconds=round(float(ckpt.train_seconds or 0.0), 2),
         samples_per_rank=shards.shard_size,
-        rank_weights=list(ckpt.info.get("rank_weights", [])),
-        packed=bool(ckpt.info.get("packed", False)),
-        useful_compute_fraction=ckpt.info.get("useful_compute_fraction"),
-        wait_seconds_per_rank=list(ckpt.info.get("wait_seconds_per_rank", [])),
+        rank_weights=list(info.get("rank_weights", [])),
+        packed=bool(info.get("packed", False)),
+        useful_compute_fraction=info.get("useful_compute_fraction"),
+        wait_seconds_per_rank=list(info.get("wait_seconds_per_rank", [])),
         selection_seconds=shards.selection_seconds,
         config=ckpt.settings,
     )
+
+
+def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The asset page's tables and plots: selection against training seconds, the loss per
+    rank and the useful-compute fraction over steps."""
     curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
     useful = plots.named_curves(
         {
@@ -201,26 +208,17 @@ def trained_checkpoint(
         "optimizer step",
         "real tokens / (ranks x busiest rank's tensor tokens)",
     )
-    return dg.MaterializeResult(
-        metadata={
-            **reported,
-            **record.to_metadata(),
-            "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
-            "selection_vs_training": dg.MetadataValue.md(
-                markdown_table(
-                    ["stage", "seconds"],
-                    [
-                        [
-                            "selection (embedding pass + clustering + subsets + shards)",
-                            f"{record.selection_seconds:.1f}",
-                        ],
-                        ["training", f"{record.train_seconds:.1f}"],
-                    ],
-                )
-            ),
-            "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
-            "useful_compute": dg.MetadataValue.md(
-                plots.markdown_image(useful, "useful compute fraction per step")
-            ),
-        }
-    )
+    seconds = [
+        [
+            "selection (embedding pass + clustering + subsets + shards)",
+            f"{record.selection_seconds:.1f}",
+        ],
+        ["training", f"{record.train_seconds:.1f}"],
+    ]
+    return {
+        "selection_vs_training": dg.MetadataValue.md(markdown_table(["stage", "seconds"], seconds)),
+        "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+        "useful_compute": dg.MetadataValue.md(
+            plots.markdown_image(useful, "useful compute fraction per step")
+        ),
+    }
