@@ -53,6 +53,7 @@ from cluster_pipeline.core.tables import series_to_matrix, vectors_to_series
 from cluster_pipeline.core.tokenization import encode_rows
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
 from cluster_pipeline.training.distributed import all_gather_floats, run_entry_point
+from cluster_pipeline.training.fate import check_alive
 
 CHUNK_SCHEMA = {
     "sample_id": pl.String,
@@ -446,6 +447,7 @@ def run_pass(job: EmbedJob, env, report) -> None:
         target = chunk_path(chunk_dir, i)
         tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)
+        check_alive(f"write embedding chunk {target}")
         os.replace(tmp, target)
     elapsed = time.time() - state["start"]
     totals = [state["samples"], state["tokens"], elapsed]

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from cluster_pipeline.core.evaluation import evaluate_model, load_suites
 from cluster_pipeline.training.config import EvalJob
 from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_point
+from cluster_pipeline.training.fate import check_alive
 
 
 @record
@@ -38,6 +39,7 @@ def evaluate(job: EvalJob, env: DistEnv, report: Reporter) -> None:
         out = Path(job.output)
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_text(json.dumps(outcome, default=str))
+        check_alive(f"write the evaluation outcome {out}")
         os.replace(tmp, out)
 
 

@@ -76,6 +76,7 @@ from cluster_pipeline.training.distributed import (
     all_gather_floats,
     run_entry_point,
 )
+from cluster_pipeline.training.fate import check_alive
 from cluster_pipeline.training.memory import MemoryTrace, limit_heap_fragmentation
 from cluster_pipeline.training.parallel import (
     SHARDED_DIR,
@@ -678,6 +679,7 @@ class CheckpointDir:
         if model is None:
             tokenizer.save_pretrained(path)
             torch.save(state, path / f".{TRAINING_STATE}.tmp")
+            check_alive(f"complete checkpoint {path}")
             os.replace(path / f".{TRAINING_STATE}.tmp", path / TRAINING_STATE)
         else:
             save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
@@ -708,6 +710,7 @@ def save_checkpoint(
             torch.save(obj, tmp / name)
         if also is not None:
             also(tmp)
+        check_alive(f"rename checkpoint {out_dir} into place")
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)

@@ -143,8 +143,12 @@ def eval_report(
             sandbox_problem() if settings.unsafe_sandbox and settings.generate else None
         ),
     )
+    scores = write_table(
+        item_scores_frame(results),
+        layout.table_uri("eval_item_scores", dataset),
+        guard=storage.guard,
+    )
     path = report.write(layout.reports_dir(dataset))
-    scores = write_table(item_scores_frame(results), layout.table_uri("eval_item_scores", dataset))
     context.log.info(report.summary)
     current_group = next(r.group for r in results if r.current)
     record = EvalReportRecord(

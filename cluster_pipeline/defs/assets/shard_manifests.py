@@ -62,7 +62,7 @@ def shard_manifests(
     folder = layout.shards_dir(dataset, set_hash)
     paths = [str(m.write(folder)) for m in allocation.manifests]
     shards = manifests_frame(allocation.manifests)
-    table = write_table(shards, layout.table_uri("shard_manifests", dataset))
+    table = write_table(shards, layout.table_uri("shard_manifests", dataset), guard=storage.guard)
     seconds = time.perf_counter() - start
     samples = [m.n_samples for m in allocation.manifests]
     context.log.info(
