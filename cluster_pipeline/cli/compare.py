@@ -64,7 +64,7 @@ def compare_config(
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from cluster_pipeline.defs.profiles import check_run_config
+    from cluster_pipeline.defs.run_checks import check_run_config
 
     try:
         config = compare_config(

@@ -24,6 +24,7 @@ from cluster_pipeline.core.sandbox import check_sandbox, sandbox_problem
 from cluster_pipeline.core.tables import write_table
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import EvalJob, settings_of
 
@@ -99,7 +100,9 @@ def eval_report(
     checkpoints = list_checkpoints(current.path.parent) if config.compare_checkpoints else []
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
-    entries = model_entries(base_model.local_path(storage), checkpoints)
+    base_path = base_model.local_path(storage)
+    preflight(context, layout, base_path, torchrun.agents)  # before any model is loaded
+    entries = model_entries(base_path, checkpoints)
     # Job files, per-process logs (<job>.logs/) and outcomes, one set per model (a new
     # evaluation of the same model replaces them; the cache keeps the outcomes).
     run_dir = layout.eval_cache_dir(dataset) / "jobs"

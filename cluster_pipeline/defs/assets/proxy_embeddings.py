@@ -12,6 +12,7 @@ from cluster_pipeline.core.tables import mean_of, write_table
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
 from cluster_pipeline.training.embed import (
@@ -73,16 +74,13 @@ def proxy_embeddings(
     ].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
+    # Before the model loads: rules the run's worker could not check without the model or N.
+    preflight(context, layout, model_path, torchrun.agents, instructions)
     # Per-sample cache: keyed by what changes the numbers, not by the pool, so a refresh after
     # new data embeds only the new samples (training/embed.py, "Per-sample cache").
     key = stable_hash(model_fingerprint(model_path), settings.cache_fields(), CHUNK_FORMAT)
     cache_dir = layout.embedding_cache_dir(dataset, key)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if config.world_size % torchrun.agents:
-        raise dg.Failure(
-            f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
-            "agents (nodes): make it a multiple"
-        )
     try:
         # recompute: every sample, and the cache replaced only once the pass has finished.
         pending = list(sample_ids) if config.recompute else pending_ids(cache_dir, sample_ids)
@@ -115,6 +113,8 @@ def proxy_embeddings(
                 config.world_size // torchrun.agents,
                 job.dump(pass_dir / "embed_job.json"),
             )
+        if storage.guard is not None:
+            storage.guard.check(f"add the embedding pass to the cache {cache_dir}")
         try:
             stats = store_pass(cache_dir, pass_dir, pending, settings.chunk_size, config.recompute)
         except CacheUnreadable as e:
@@ -132,7 +132,9 @@ def proxy_embeddings(
         raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
-    table = write_table(result.frame, layout.table_uri("proxy_embeddings", dataset))
+    table = write_table(
+        result.frame, layout.table_uri("proxy_embeddings", dataset), guard=storage.guard
+    )
     seconds = time.perf_counter() - start
     # Selection cost of this pool: one pass over it at the rate the cache's passes measured.
     totals = cached_pass_stats(cache_dir)

@@ -19,6 +19,7 @@ from cluster_pipeline.defs.records import (
     read_record,
 )
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
 from cluster_pipeline.training.parallel import (
@@ -76,6 +77,7 @@ def trained_checkpoint(
         )
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
+    preflight(context, storage.layout, model_path, torchrun.agents)  # before any model loads
     # Fail before any process starts when the model cannot fit (weights, gradients, AdamW,
     # activations). Slurm's nodes are not this machine: their memory is only estimated.
     available = (
