@@ -9,6 +9,12 @@ like an embedding or training rank, and the step process survives to say so. The
 ``output`` (atomically: a killed process leaves no partial file).
 """
 
+if __name__ == "__main__":
+    # Before torch loads (seconds): the process must not outlive a launcher killed meanwhile.
+    from cluster_pipeline.training.fate import die_with_parent
+
+    die_with_parent()
+
 import json
 import os
 from pathlib import Path
