@@ -113,7 +113,10 @@ class PartitionLockedExecutor(dg.Executor):
             raise DagsterExecutionInterruptedError()  # terminated while it waited
         watchdog = None
         try:
-            if stale is not None:
+            if stale is not None and stale.run_id == run.run_id:
+                # This run again, in a new worker (a resumed run): nothing to mark.
+                plan_context.log.info(f"resuming after {stale.describe()} died")
+            elif stale is not None:
                 plan_context.log.warning(_take_over(instance, dataset, stale))
             plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
             watchdog = _start_watchdog(instance, run.run_id, dataset)
