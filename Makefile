@@ -86,10 +86,12 @@ validate: setup
 	$(BIN)/dagster definitions validate -w workspace.yaml
 
 # The web UI on http://$(HOST):$(PORT) (loopback unless HOST is set); runs and their logs
-# persist in $(DAGSTER_HOME).
+# persist in $(DAGSTER_HOME). `cluster-pipeline dev` runs `dagster dev` so that SIGTERM, SIGINT
+# or SIGHUP (to make, to it or to the process group) stops all of it within seconds; `exec`
+# makes it make's own child, with no shell between them.
 dev: setup
 	$(INSTANCE)
-	$(BIN)/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
+	exec $(BIN)/cluster-pipeline dev -- -w workspace.yaml -h $(HOST) -p $(PORT)
 
 # Checkpoints of other selectors, ratios and seeds on the same dataset, then the comparison
 # report (paired intervals and verdicts against random_global at the same ratio, full data and

@@ -7,7 +7,7 @@
    fsdp: each rank's peak resident memory (``ru_maxrss``, recorded in ``training_info.json``)
    and the ratio FSDP / DDP (target <= 0.65). Beside each: the pre-launch estimate
    (``check_training_memory`` with ``activation_bytes``) and every rank's RSS and peak RSS at
-   the points training.train marks (model loaded, wrapped, shards loaded, step 1, trained,
+   the points the training loop marks (model loaded, wrapped, shards loaded, step 1, trained,
    gathered for export).
 2. A randomly initialised Llama of about 0.9B parameters (SmolLM2's tokenizer, 18 layers of width
    2,048): the pre-launch estimate refuses DDP on this machine (16 bytes per parameter per rank
@@ -64,7 +64,7 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
 
 def print_breakdown(info: dict) -> None:
     """Each rank's resident memory (VmRSS) and its high-water mark (VmHWM) at the points of the
-    run that training.train marks (``memory_per_rank`` in training_info.json), in GiB."""
+    run that the training loop marks (``memory_per_rank`` in training_info.json), in GiB."""
     ranks = info.get("memory_per_rank") or []
     if not ranks:
         return

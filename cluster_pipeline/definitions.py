@@ -1,10 +1,12 @@
 """The project's one :class:`dagster.Definitions`: the stages under ``defs/`` plus resources and
-the multiprocess executor."""
+the executor (Dagster's multiprocess executor that also checks a run's settings, holds its
+dataset partition and watches its worker: ``defs/executor.py``)."""
 
 from pathlib import Path
 
 import dagster as dg
 
+from cluster_pipeline.defs.executor import partition_locked_executor
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 
 
@@ -21,6 +23,6 @@ def defs() -> dg.Definitions:
                 "torchrun": TorchrunResource(),
                 "pipes_subprocess_client": dg.PipesSubprocessClient(),
             },
-            executor=dg.multiprocess_executor,
+            executor=partition_locked_executor,
         ),
     )

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cluster_pipeline"
 # sits at the bottom beside storage and every rank may use it.
 LAYERS = {
     "storage": 0,
-    "launch": 0,
+    "launch": 1,
     "data": 1,
     "models": 2,
     "selection": 2,

@@ -65,7 +65,7 @@ def compare_config(
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Print the run config of one comparison run (YAML), validated; exit 2 on bad values."""
-    from cluster_pipeline.defs.profiles import check_run_config
+    from cluster_pipeline.defs.run_checks import check_run_config
 
     try:
         config = compare_config(

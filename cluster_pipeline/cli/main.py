@@ -5,12 +5,13 @@ size profile's, a comparison's), from a shell.
     cluster-pipeline lineage <dataset> (<sample_id>... | --selected | --diff OLD NEW) [--json]
     cluster-pipeline run-config [<profile>] [--assets <asset>[,<asset>...]]
     cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
+    cluster-pipeline dev -- [dagster dev arguments...]
 """
 
 import argparse
 import signal
 
-from cluster_pipeline.cli import UserError, compare, register, run_config, trace
+from cluster_pipeline.cli import UserError, compare, dev, register, run_config, trace
 from cluster_pipeline.data.formats import DatasetFormatError
 
 COMMANDS = {
@@ -18,6 +19,7 @@ COMMANDS = {
     "lineage": trace,
     "run-config": run_config,
     "compare-config": compare,
+    "dev": dev,
 }
 
 

@@ -444,6 +444,17 @@ def encode_conversation(
     return _fit(ids, flags, max_length, prompt_cut)
 
 
+def min_prompted_length(tokenizer) -> int:
+    """The smallest ``max_length`` at which a sample with a question keeps one trained token:
+    what the template writes before the answer when the question is empty (its head, a default
+    system message if it adds one, the generation prompt), plus one. Under every truncation the
+    template around the question is kept, so a shorter ``max_length`` skips every such sample
+    (only prompt-less ``text`` records could fit)."""
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]
+    _, _, first = _encode(tokenizer, messages, "all")
+    return first + 1
+
+
 def _fit(ids: list[int], flags: list[bool], max_length: int, prompt_cut: int = 0) -> EncodedSample:
     """The sample cut to ``max_length`` at the end, or skipped when no trained token fits."""
     if _first_label(flags) >= max_length:

@@ -14,7 +14,6 @@ PROFILE=<profile>`` launches the same job from a shell.
 from typing import Any
 
 import dagster as dg
-import pydantic
 
 from cluster_pipeline.defs.assets.balanced_clusters import BalancedClustersConfig
 from cluster_pipeline.defs.assets.eval_report import EvalReportConfig
@@ -123,28 +122,6 @@ def profile_run_config(profile: str = DEFAULT_PROFILE, stages: list[str] | None 
         config = config_cls(**PROFILES[profile].get(stage, {}))
         ops[stage] = {"config": {knob: getattr(config, knob) for knob in knobs}}
     return {"ops": ops, "loggers": LOGGERS}
-
-
-def check_run_config(config: dict) -> None:
-    """Validate each stage's config in ``config`` against its schema (the stage Config class),
-    as Dagster would at launch.
-
-    Raises:
-        ValueError: a value outside its knob's bounds or of the wrong type; the message names
-            ``<stage>.<knob>``, the value and the rule.
-    """
-    for stage, op in config.get("ops", {}).items():
-        if stage not in KNOBS:
-            continue
-        try:
-            KNOBS[stage][0].model_validate(op.get("config", {}))
-        except pydantic.ValidationError as e:
-            problems = "; ".join(
-                f"{stage}.{'.'.join(str(x) for x in err['loc'])} = {err.get('input')!r}: "
-                f"{err['msg']}"
-                for err in e.errors()
-            )
-            raise ValueError(problems) from None
 
 
 def job_name(profile: str) -> str:

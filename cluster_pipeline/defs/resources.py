@@ -8,9 +8,10 @@ from typing import Literal
 
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from cluster_pipeline.launch import slurm
+from cluster_pipeline.launch.fate import RunGuard, bind_step
 from cluster_pipeline.launch.torchrun import (
     failure_summary,
     rank_failures,
@@ -21,6 +22,7 @@ from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
+PARTITION_TAG = "dagster/partition"
 
 
 class StorageResource(dg.ConfigurableResource):
@@ -32,10 +34,32 @@ class StorageResource(dg.ConfigurableResource):
         description="Root of inputs (raw/<dataset>/) and generated tables, checkpoints, reports.",
     )
 
+    _guard: RunGuard | None = PrivateAttr(default=None)
+
     @property
     def layout(self) -> DataLayout:
         """The data folder's layout (:class:`~cluster_pipeline.storage.layout.DataLayout`)."""
         return DataLayout.at(self.data_dir)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """In a step of a run of a dataset partition, bind this process to the run
+        (:func:`~cluster_pipeline.launch.fate.bind_step`): it dies with the run's worker,
+        and :attr:`guard` refuses commits once the run is no longer alive. Processes the step
+        starts (torchrun) inherit the guard."""
+        run = context.dagster_run
+        dataset = run.tags.get(PARTITION_TAG) if run is not None else None
+        if run is None or dataset is None:
+            return
+        self._guard = bind_step(self.layout.partition_lock(dataset), run.run_id)
+        if self._guard.chain:  # a step process of its own, not the test's or notebook's
+            os.environ.update(self._guard.env())
+
+    @property
+    def guard(self) -> RunGuard | None:
+        """The step's run guard: call ``guard.check(what)`` before committing anything (the
+        Delta writes take it as ``write_table(..., guard=storage.guard)``). None outside a
+        run."""
+        return self._guard
 
 
 class BaseModelResource(dg.ConfigurableResource):

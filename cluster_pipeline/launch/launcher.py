@@ -2,10 +2,12 @@
 
     python -m cluster_pipeline.launch.launcher [torchrun arguments...]
 
-Same arguments as ``torchrun``. Linux is first asked to send this process SIGTERM when its
-parent (the Dagster step) dies, which torchrun answers by stopping every rank; the ranks in turn
-are SIGKILLed if torchrun itself is killed (:func:`~cluster_pipeline.training.distributed.
-die_with_parent`). So no rank outlives the run that started it.
+Same arguments as ``torchrun``. Linux is first asked to SIGKILL this process when its parent
+(the Dagster step) dies, and the ranks in turn are SIGKILLed when torchrun dies
+(:func:`~cluster_pipeline.launch.fate.die_with_parent`), so no rank outlives the run that
+started it. SIGKILL, not SIGTERM: torchrun answers SIGTERM by stopping its ranks and then
+shutting down its rendezvous, and a launcher stopped that way was seen alive 70 s later with
+its ranks long gone (issue 23); the ranks die of their own parent-death signal either way.
 """
 
 import json
@@ -23,7 +25,7 @@ _PARENT = os.getppid()
 def main() -> None:
     """Torchrun's own ``main`` in a process that dies with its parent (the Dagster step), and
     each rank's exit recorded for the failure report."""
-    die_with_parent(signal.SIGTERM, expected_parent=_PARENT)
+    die_with_parent(signal.SIGKILL, expected_parent=_PARENT)
     # torchrun's agent runs in this process, so it is the ranks' parent.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -102,6 +102,16 @@ def resolve_model(name_or_path: str, cache_dir: Path) -> str:
     return name_or_path
 
 
+def local_model(name_or_path: str, cache_dir: Path) -> str | None:
+    """:func:`resolve_model` without converting or downloading anything: the local folder the
+    setting names (the built-in model once converted), or None when there is none yet."""
+    if name_or_path == BUILTIN_MODEL:
+        out_dir = cache_dir / BUILTIN_MODEL
+        return str(out_dir) if (out_dir / "config.json").exists() else None
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if (path / "config.json").exists() else None
+
+
 def load_model_and_tokenizer(model_path: str, dtype=None, device: str = "cpu"):
     """``from_pretrained`` for the model (eval mode) and its tokenizer.
 

@@ -9,6 +9,12 @@ like an embedding or training rank, and the step process survives to say so. The
 ``output`` (atomically: a killed process leaves no partial file).
 """
 
+if __name__ == "__main__":
+    # Before torch loads (seconds): the process must not outlive a launcher killed meanwhile.
+    from cluster_pipeline.launch.fate import die_with_parent
+
+    die_with_parent()
+
 import json
 import os
 from pathlib import Path
@@ -17,6 +23,7 @@ import polars as pl
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from cluster_pipeline.evaluation.suites import EvalJob, evaluate_model, load_suites
+from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_point
 
 
@@ -38,6 +45,7 @@ def evaluate(job: EvalJob, env: DistEnv, report: Reporter) -> None:
         out = Path(job.output)
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_text(json.dumps(outcome, default=str))
+        check_alive(f"write the evaluation outcome {out}")
         os.replace(tmp, out)
 
 

@@ -10,6 +10,7 @@
     <data>/shards/<dataset>/<hash[:16]>/      shard manifests, a folder per content hash
     <data>/checkpoints/<dataset>/<name>/      fine-tuned checkpoints (see training/checkpointing.py)
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
+    <data>/locks/<dataset>.lock, .json        the partition's run lock and its holder
 
 The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
 (docs/design.md, "Storage layout"). Generated paths name a dataset by :func:`storage_name`: the
@@ -100,6 +101,10 @@ class DataLayout:
     def reports_dir(self, dataset: str) -> Path:
         """``eval_report``'s Markdown, JSON and plots for ``dataset``."""
         return self.root / "reports" / storage_name(dataset)
+
+    def partition_lock(self, dataset: str) -> Path:
+        """The lock file a run of ``dataset`` holds while it runs (storage/run_lock.py)."""
+        return self.root / "locks" / f"{storage_name(dataset)}.lock"
 
     def eval_cache_dir(self, dataset: str) -> Path:
         """The evaluation cache of ``dataset``: one outcome per model and settings."""

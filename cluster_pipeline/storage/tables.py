@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import polars as pl
@@ -139,10 +140,27 @@ def mean_of(series: pl.Series) -> float:
     return float(value) if isinstance(value, int | float) else float("nan")
 
 
-def write_table(frame: pl.DataFrame, uri: str | Path) -> TableRef:
+class CommitGuard(Protocol):
+    """Refuses a commit by raising (``launch/fate.RunGuard``: the run is no longer alive)."""
+
+    def check(self, what: str) -> None:
+        """Raise if ``what`` (a commit, described for the error) must not happen."""
+        ...
+
+
+def write_table(frame: pl.DataFrame, uri: str | Path, guard: CommitGuard | None = None) -> TableRef:
     """Overwrite the Delta table at ``uri`` with ``frame`` (a new version; older ones stay
-    readable by time travel) and return a reference to the version written."""
+    readable by time travel) and return a reference to the version written.
+
+    ``guard``: the run's guard (``launch/fate.py``), checked just before the commit, so a run
+    that is no longer alive commits no version.
+
+    Raises:
+        RunGone: from ``guard``; the table is left as it was.
+    """
     uri = str(uri)
+    if guard is not None:
+        guard.check(f"commit a new version of the Delta table {uri}")
     Path(uri).mkdir(parents=True, exist_ok=True)
     frame.write_delta(uri, mode="overwrite", delta_write_options={"schema_mode": "overwrite"})
     return TableRef(uri, DeltaTable(uri).version())

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.training.parallel import is_fsdp
 
 TRAINING_INFO = "training_info.json"
@@ -181,6 +182,7 @@ class CheckpointDir:
         if model is None:
             tokenizer.save_pretrained(path)
             torch.save(state, path / f".{TRAINING_STATE}.tmp")
+            check_alive(f"complete checkpoint {path}")
             os.replace(path / f".{TRAINING_STATE}.tmp", path / TRAINING_STATE)
         else:
             save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
@@ -211,6 +213,7 @@ def save_checkpoint(
             torch.save(obj, tmp / name)
         if also is not None:
             also(tmp)
+        check_alive(f"rename checkpoint {out_dir} into place")
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)

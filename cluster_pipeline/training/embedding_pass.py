@@ -17,6 +17,7 @@ import torch
 from cluster_pipeline.data.datasets import EMBEDDING_COLUMNS, read_instructions
 from cluster_pipeline.data.packing import can_pack
 from cluster_pipeline.data.tokenization import encode_rows
+from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.models.loading import load_model_and_tokenizer
 from cluster_pipeline.selection.embedding import embed_samples
 from cluster_pipeline.storage.embedding_cache import (
@@ -154,6 +155,7 @@ def run_pass(job: EmbedJob, env, report) -> None:
         target = chunk_path(chunk_dir, i)
         tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)
+        check_alive(f"write embedding chunk {target}")
         os.replace(tmp, target)
     elapsed = time.time() - state["start"]
     totals = [state["samples"], state["tokens"], elapsed]

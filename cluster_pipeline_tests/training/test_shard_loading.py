@@ -1,4 +1,4 @@
-"""Loading weights into a model built on the meta device (the FSDP2 path of training.train):
+"""Loading weights into a model built on the meta device (the FSDP2 path of training.loop):
 the same parameters and buffers as ``from_pretrained``, from one safetensors file or several,
 in the checkpoint's dtype or another."""
 

@@ -107,13 +107,15 @@ def balanced_clusters(
         pl.Series("kmeans_cluster", result.kmeans_labels),
         pl.Series("sq_distance", result.sq_distance),
     )
-    table = write_table(frame, layout.table_uri(BALANCED_CLUSTERS, dataset))
+    table = write_table(frame, layout.table_uri(BALANCED_CLUSTERS, dataset), guard=storage.guard)
     centroids = pl.DataFrame({"cluster": np.arange(config.num_clusters)}).with_columns(
         vectors_to_series("centroid", result.centroids),
         pl.Series("size", result.sizes),
         pl.Series("kmeans_size", result.kmeans_sizes),
     )
-    centroids_table = write_table(centroids, layout.table_uri(CLUSTER_CENTROIDS, dataset))
+    centroids_table = write_table(
+        centroids, layout.table_uri(CLUSTER_CENTROIDS, dataset), guard=storage.guard
+    )
     seconds = time.perf_counter() - start
     context.log.info(
         f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.report import (
@@ -86,7 +87,9 @@ def eval_report(
     checkpoints = list_checkpoints(current.path.parent) if config.compare_checkpoints else []
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
-    entries = model_entries(base_model.local_path(storage), checkpoints)
+    base_path = base_model.local_path(storage)
+    preflight(context, layout, base_path, torchrun.agents)  # before any model is loaded
+    entries = model_entries(base_path, checkpoints)
     evaluate = _evaluator(
         context,
         torchrun,
@@ -117,8 +120,12 @@ def eval_report(
             sandbox_problem() if settings.unsafe_sandbox and settings.generate else None
         ),
     )
+    scores = write_table(
+        item_scores_frame(results),
+        layout.table_uri(EVAL_ITEM_SCORES, dataset),
+        guard=storage.guard,
+    )
     path = report.write(layout.reports_dir(dataset))
-    scores = write_table(item_scores_frame(results), layout.table_uri(EVAL_ITEM_SCORES, dataset))
     context.log.info(report.summary)
     record = _record(report, results, scores, path, str(current.path), heldout_stats)
     return dg.MaterializeResult(

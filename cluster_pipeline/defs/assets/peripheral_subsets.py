@@ -88,7 +88,9 @@ def peripheral_subsets(
         pl.Series("copies", result.copies),
         pl.Series("weight", result.weight),
     )
-    table = write_table(frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset))
+    table = write_table(
+        frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
+    )
     seconds = time.perf_counter() - start
     # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
     # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.

@@ -10,6 +10,7 @@ from cluster_pipeline.data.datasets import read_instructions
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.selection.embedding import assemble_table
@@ -68,11 +69,8 @@ def proxy_embeddings(
     sample_ids = split["sample_id"].to_list()
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
-    if config.world_size % torchrun.agents:
-        raise dg.Failure(
-            f"world_size {config.world_size} cannot be split over {torchrun.agents} torchrun "
-            "agents (nodes): make it a multiple"
-        )
+    # Before the model loads: rules the run's worker could not check without the model or N.
+    preflight(context, layout, model_path, torchrun.agents, instructions)
     key = cache_key(model_path, settings.cache_fields())
     cache_dir = layout.embedding_cache_dir(dataset, key)
     try:
@@ -95,6 +93,8 @@ def proxy_embeddings(
                 job_file = job.dump(todo.pass_dir / "embed_job.json")
                 nproc = config.world_size // torchrun.agents
                 torchrun.run(context, pipes_subprocess_client, RECIPES["embed"], nproc, job_file)
+            if storage.guard is not None:
+                storage.guard.check(f"add the embedding pass to the cache {cache_dir}")
             try:
                 stats = store_pass(
                     cache_dir, todo.pass_dir, todo.sample_ids, settings.chunk_size, config.recompute
@@ -110,7 +110,9 @@ def proxy_embeddings(
         raise dg.Failure(f"{dataset}: {e}; re-run with recompute: true") from e
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
-    table = write_table(result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset))
+    table = write_table(
+        result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset), guard=storage.guard
+    )
     _log_outcome(context, result, instructions, settings, time.perf_counter() - start)
     pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
     record = ProxyEmbeddingsRecord(

@@ -74,7 +74,7 @@ def raw_instructions(
         )
     except (DatasetFormatError, FileNotFoundError, ValueError) as e:
         raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
-    table = write_table(frame, layout.table_uri(RAW_INSTRUCTIONS, dataset))
+    table = write_table(frame, layout.table_uri(RAW_INSTRUCTIONS, dataset), guard=storage.guard)
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "

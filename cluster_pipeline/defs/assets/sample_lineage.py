@@ -51,7 +51,7 @@ def sample_lineage(
     versions = shards.lineage()
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(dataset)))
     frame = build_lineage({stage: versions[stage].read() for stage in LINEAGE_STAGES}, checkpoints)
-    table = write_table(frame, layout.table_uri(SAMPLE_LINEAGE, dataset))
+    table = write_table(frame, layout.table_uri(SAMPLE_LINEAGE, dataset), guard=storage.guard)
     record = SampleLineageRecord(
         table=table,
         inputs=versions,

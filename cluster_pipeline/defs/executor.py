@@ -1,0 +1,209 @@
+"""The project's executor: Dagster's multiprocess executor, plus what a run must settle in its
+worker process before its first step starts.
+
+Every run that executes through the project's Definitions (the web UI, schedules, sensors,
+``make run``'s ``dagster job execute``, ``dagster asset materialize``) runs its steps here, so
+this is the one place that sees each run start and end, whoever started it:
+
+1. **Settings.** Every stage config of the run is validated (``defs/run_checks.py``: each
+   knob's bounds, rules across stages, the data and the base model's chat template); a bad one
+   fails the run at once with one line, ``<stage>.<knob> = <value>: <rule>``.
+2. **One run per partition.** The run takes its dataset partition's lock
+   (``storage/run_lock.py``), waiting up to ``partition_wait_seconds`` while another run holds it
+   (and saying which); a lock left by a run that died is taken over, and that run, if still
+   marked in progress, is marked failed.
+3. **A watchdog** (``defs/run_watchdog.py``) marks the run failed if this worker process dies
+   (``kill -9``, the OOM killer) before the run ends; its step processes die with it
+   (``launch/fate.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster._utils.interrupts import check_captured_interrupt
+
+from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.run_checks import ConfigRefused, check_run
+from cluster_pipeline.storage.run_lock import Holder, PartitionBusy, PartitionLock
+
+PARTITION_TAG = "dagster/partition"
+WATCHDOG_MODULE = "cluster_pipeline.defs.run_watchdog"
+PARTITION_WAIT_ENV = "CLUSTER_PIPELINE_PARTITION_WAIT_S"
+# An hour: a run started from a shell while another run of its dataset is in progress waits
+# for it (as the UI's queue makes a second run wait), then reuses its embeddings and
+# checkpoint; a holder that hangs fails the waiter after an hour instead of never.
+DEFAULT_PARTITION_WAIT_S = float(os.environ.get(PARTITION_WAIT_ENV) or 3600.0)
+
+# The multiprocess executor's own fields (max_concurrent, retries, ...), and one of ours.
+_MULTIPROCESS: Any = dg.multiprocess_executor.config_schema.config_type
+_CONFIG = {
+    **_MULTIPROCESS.fields,
+    "partition_wait_seconds": dg.Field(
+        float,
+        default_value=DEFAULT_PARTITION_WAIT_S,
+        description="Seconds a run waits for its dataset partition while another run holds it "
+        "(a run started from a shell while another runs; the UI's queue already holds runs "
+        "back); then it fails naming the holder. 0 = fail at once. Default: "
+        f"${PARTITION_WAIT_ENV} if set, else 3600.",
+    ),
+}
+
+
+class PartitionLockedExecutor(dg.Executor):
+    """The multiprocess executor inside the three steps of the module docstring."""
+
+    def __init__(self, inner: dg.Executor, partition_wait_s: float):
+        self._inner = inner
+        self._wait_s = partition_wait_s
+
+    @property
+    def retries(self):
+        """The wrapped executor's retry mode."""
+        return self._inner.retries
+
+    @property
+    def step_dependency_config(self):
+        """The wrapped executor's step dependency settings."""
+        return self._inner.step_dependency_config
+
+    def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
+        """Check settings, take the partition lock, start the watchdog, then run the plan."""
+        run, instance = plan_context.dagster_run, plan_context.instance
+        dataset = run.tags.get(PARTITION_TAG)
+        run_config: Any = plan_context.run_config
+        storage_config = (run_config.get("resources") or {}).get("storage") or {}
+        layout = StorageResource(**(storage_config.get("config") or {})).layout
+        try:
+            check_run(
+                run_config,
+                execution_plan.step_keys_to_execute,
+                instance,
+                dataset,
+                layout,
+            )
+        except ConfigRefused as e:
+            _refuse(plan_context, str(e))
+        if dataset is None:  # every stage is partitioned; other jobs take no lock
+            yield from self._inner.execute(plan_context, execution_plan)
+            return
+        lock = PartitionLock(layout.partition_lock(dataset), dataset)
+        me = Holder.this_process(run.run_id, run.job_name)
+
+        def waiting(holder: Holder | None, waited: float) -> None:
+            who = holder.describe() if holder else "another process"
+            plan_context.log.info(
+                f"dataset partition {dataset!r} is held by {who}; waiting "
+                f"({waited:.0f} of {self._wait_s:.0f} s, executor config partition_wait_seconds)"
+            )
+
+        try:
+            stale = lock.acquire(
+                me,
+                self._wait_s,
+                on_wait=waiting,
+                interrupted=lambda: check_captured_interrupt() or _terminating(instance, run),
+            )
+        except PartitionBusy as e:
+            _refuse(plan_context, str(e))
+        if not lock.held:
+            raise DagsterExecutionInterruptedError()  # terminated while it waited
+        watchdog = None
+        try:
+            if stale is not None and stale.run_id == run.run_id:
+                # This run again, in a new worker (a resumed run): nothing to mark.
+                plan_context.log.info(f"resuming after {stale.describe()} died")
+            elif stale is not None:
+                plan_context.log.warning(_take_over(instance, dataset, stale))
+            plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
+            watchdog = _start_watchdog(instance, run.run_id, dataset)
+            yield from self._inner.execute(plan_context, execution_plan)
+        finally:
+            if watchdog is not None:
+                _stop_watchdog(watchdog)
+            lock.release()
+
+
+@dg.executor(
+    name="multiprocess",
+    config_schema=_CONFIG,
+    requirements=dg.multiprocess_executor.get_requirements,  # pyright: ignore[reportArgumentType]
+)
+def partition_locked_executor(init_context: dg.InitExecutorContext) -> dg.Executor:
+    """Dagster's multiprocess executor (same config) that validates the run's settings, holds
+    its dataset partition for the whole run, and marks the run failed if its worker dies."""
+    inner = dg.multiprocess_executor.executor_creation_fn(init_context)  # pyright: ignore[reportOptionalCall]
+    config: Any = init_context.executor_config
+    wait = float(config.get("partition_wait_seconds", DEFAULT_PARTITION_WAIT_S))
+    return PartitionLockedExecutor(inner, wait)
+
+
+def _refuse(plan_context, message: str):
+    """Fail the run with ``message`` as its failure, before any step, without a traceback: the
+    run is marked failed first, and the interrupt that ends execution then adds no second
+    failure (Dagster's run iterator sees a run already failed)."""
+    plan_context.log.error(message)
+    plan_context.instance.report_run_failed(plan_context.dagster_run, message)
+    raise DagsterExecutionInterruptedError()
+
+
+def _terminating(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    current = instance.get_run_by_id(run.run_id)
+    return current is not None and current.status == dg.DagsterRunStatus.CANCELING
+
+
+def _take_over(instance: dg.DagsterInstance, dataset: str, stale: Holder) -> str:
+    """Mark the run that left ``stale`` failed, if this instance still has it in progress; the
+    log line naming it."""
+    dead = instance.get_run_by_id(stale.run_id)
+    if dead is not None and not dead.is_finished:
+        instance.report_run_failed(
+            dead,
+            f"marked failed by run of the same partition: the worker process of this run "
+            f"(pid {stale.pid} on host {stale.host}) died without releasing dataset partition "
+            f"{dataset!r}; re-execute the run to resume it",
+        )
+        status = "it was still marked in progress and is now marked failed"
+    elif dead is not None:
+        status = f"it is marked {dead.status.value}"
+    else:
+        status = "it is not a run of this Dagster instance"
+    return (
+        f"took over dataset partition {dataset!r} from {stale.describe()}, whose worker died "
+        f"without releasing it; {status}"
+    )
+
+
+def _start_watchdog(instance: dg.DagsterInstance, run_id: str, dataset: str):
+    """The watchdog process of this run (None for an in-memory instance, which no other process
+    can reach)."""
+    if instance.is_ephemeral:
+        return None
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", WATCHDOG_MODULE, run_id, str(os.getpid()), dataset],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C or a kill of the run's process group spares it
+        text=True,
+    )
+    assert watchdog.stdin is not None
+    watchdog.stdin.write(dg.serialize_value(instance.get_ref()) + "\n")
+    watchdog.stdin.flush()
+    return watchdog
+
+
+def _stop_watchdog(watchdog: subprocess.Popen) -> None:
+    """Tell the watchdog the run ended here (it exits without marking anything)."""
+    try:
+        assert watchdog.stdin is not None
+        watchdog.stdin.write("done\n")
+        watchdog.stdin.close()
+        watchdog.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        watchdog.kill()

@@ -1,0 +1,324 @@
+"""Every stage config of a run, checked before the run's first step does any work.
+
+Dagster checks a run config against each stage's schema at launch, but the schema it derives
+from a ``dg.Config`` class carries only types and choices: a knob's bounds (pydantic ``Field``
+``ge``/``gt``/``le``, validators such as the benchmark names) are checked when the step builds
+its config object, i.e. inside the step, after every earlier step of the run has done its work
+(issue 23: ``ratio: 1.5`` refused only after the embedding pass). :func:`check_run` validates
+them all up front, for every entry (the project's executor calls it in the run's worker before
+any step; ``cluster-pipeline`` calls :func:`check_run_config`), together with the rules that
+span stages or need the data and the base model:
+
+- ``balanced_clusters.num_clusters`` at most the training pool N (the latest
+  ``raw_instructions`` when the run does not re-read the data; ``max_train_samples`` when it
+  does) and a multiple of the torchrun agents (nodes), as ``proxy_embeddings.world_size``;
+- ``raw_instructions.heldout_fraction`` above 0 when the run evaluates (``eval_report`` scores
+  the held-out split);
+- each ``max_length`` (``proxy_embeddings``, ``trained_checkpoint``, ``eval_report``) at least
+  what the base model's chat template writes before an answer, plus one token
+  (:func:`~cluster_pipeline.data.tokenization.min_prompted_length`); the three may differ
+  (training on shorter sequences than were embedded is allowed).
+
+A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined by ``; ``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import dagster as dg
+import pydantic
+
+from cluster_pipeline.defs.records import (
+    RawInstructionsRecord,
+    UpstreamNotMaterialized,
+    latest_record,
+)
+from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
+from cluster_pipeline.models.loading import local_model
+from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
+from cluster_pipeline.storage.layout import DataLayout
+
+
+def stage_configs() -> dict[str, type[dg.Config]]:
+    """Each stage's run config class (imported here, not at the top: the stage assets call
+    :func:`preflight`)."""
+    from cluster_pipeline.defs.assets.balanced_clusters import BalancedClustersConfig
+    from cluster_pipeline.defs.assets.eval_report import EvalReportConfig
+    from cluster_pipeline.defs.assets.peripheral_subsets import PeripheralSubsetsConfig
+    from cluster_pipeline.defs.assets.proxy_embeddings import ProxyEmbeddingsConfig
+    from cluster_pipeline.defs.assets.raw_instructions import RawInstructionsConfig
+    from cluster_pipeline.defs.assets.shard_manifests import ShardManifestsConfig
+    from cluster_pipeline.defs.assets.trained_checkpoint import TrainedCheckpointConfig
+
+    return {
+        "raw_instructions": RawInstructionsConfig,
+        "proxy_embeddings": ProxyEmbeddingsConfig,
+        "balanced_clusters": BalancedClustersConfig,
+        "peripheral_subsets": PeripheralSubsetsConfig,
+        "shard_manifests": ShardManifestsConfig,
+        "trained_checkpoint": TrainedCheckpointConfig,
+        "eval_report": EvalReportConfig,
+    }
+
+
+LENGTH_STAGES = ("proxy_embeddings", "trained_checkpoint", "eval_report")
+
+
+class ConfigRefused(ValueError):
+    """A run's settings are refused; the message is one line, ``<stage>.<knob> = <value>:
+    <rule>`` for each problem, joined by ``; ``."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the rules across stages know beyond the run config; None where unknown.
+
+    ``train_samples`` / ``heldout_samples``: of the dataset's latest ``raw_instructions``;
+    ``text_records``: whether it holds prompt-less ``text`` records (they fit any length);
+    ``min_length``: :func:`~cluster_pipeline.data.tokenization.min_prompted_length` of the base
+    model ``model``; ``agents``: torchrun agents (nodes) ranks are split over.
+    """
+
+    dataset: str | None = None
+    train_samples: int | None = None
+    heldout_samples: int | None = None
+    text_records: bool = False
+    min_length: int | None = None
+    model: str = ""
+    agents: int = 1
+
+
+def _value(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _rule(message: str) -> str:
+    # pydantic's own words for a bound ("Input should be greater than 0"), without the noise
+    # its validators add ("Value error, ...").
+    return message.removeprefix("Value error, ")
+
+
+def validate_stages(
+    run_config: Mapping[str, Any], stages: Collection[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """Each stage's config object (run config over the schema defaults), and the problems of
+    the stages whose config does not validate, one ``<stage>.<knob> = <value>: <rule>`` each."""
+    ops = run_config.get("ops") or {}
+    classes = stage_configs()
+    configs: dict[str, Any] = {}
+    problems: list[str] = []
+    for stage in stages:
+        if stage not in classes:
+            continue
+        given = (ops.get(stage) or {}).get("config") or {}
+        known = classes[stage].model_fields
+        for knob in sorted(set(given) - set(known)):
+            # (Dagster refuses these at launch too; dg.Config itself ignores them.)
+            problems.append(
+                f"{stage}.{knob} = {_value(given[knob])}: not a knob of {stage}; its knobs: "
+                + ", ".join(known)
+            )
+        try:
+            configs[stage] = classes[stage].model_validate(given)
+        except pydantic.ValidationError as e:
+            for err in e.errors():
+                knob = ".".join(str(x) for x in err["loc"]) or "config"
+                problems.append(f"{stage}.{knob} = {_value(err.get('input'))}: {_rule(err['msg'])}")
+    return configs, problems
+
+
+def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
+    """The problems of the rules across stages (module docstring) for the stages in
+    ``configs`` (those of the run)."""
+    problems: list[str] = []
+    raw, clusters = configs.get("raw_instructions"), configs.get("balanced_clusters")
+    embed = configs.get("proxy_embeddings")
+    where = f"dataset {facts.dataset!r}" if facts.dataset else "the dataset"
+    if clusters is not None:
+        k = clusters.num_clusters
+        cap = getattr(raw, "max_train_samples", None)
+        if facts.train_samples is not None and k > facts.train_samples:
+            problems.append(
+                f"balanced_clusters.num_clusters = {k}: more clusters than the "
+                f"{facts.train_samples} training samples of {where} (raw_instructions); K <= N"
+            )
+        elif cap is not None and k > cap:
+            problems.append(
+                f"balanced_clusters.num_clusters = {k}: more clusters than training samples "
+                f"(raw_instructions.max_train_samples = {cap} caps N); K <= N"
+            )
+        if "trained_checkpoint" in configs and k % facts.agents:
+            problems.append(
+                f"balanced_clusters.num_clusters = {k}: K training ranks must split evenly over "
+                f"the {facts.agents} torchrun agents (resources.torchrun nnodes)"
+            )
+    if embed is not None and embed.world_size % facts.agents:
+        problems.append(
+            f"proxy_embeddings.world_size = {embed.world_size}: must be a multiple "
+            f"of the {facts.agents} torchrun agents (resources.torchrun nnodes)"
+        )
+    if "eval_report" in configs and raw is not None and raw.heldout_fraction == 0:
+        problems.append(
+            f"raw_instructions.heldout_fraction = {raw.heldout_fraction}: "
+            "eval_report scores the held-out split, so it must be > 0 when the run evaluates"
+        )
+    if facts.min_length is not None and not facts.text_records:
+        for stage in LENGTH_STAGES:
+            config = configs.get(stage)
+            length = getattr(config, "max_length", None)
+            if length is not None and length < facts.min_length:
+                problems.append(
+                    f"{stage}.max_length = {length}: too short for any sample: the chat "
+                    f"template of {facts.model} writes {facts.min_length - 1} tokens before an "
+                    f"answer even for an empty question, so max_length must be >= "
+                    f"{facts.min_length}"
+                )
+    return problems
+
+
+def check_stages(
+    run_config: Mapping[str, Any], stages: Collection[str], facts: RunFacts = RunFacts()
+) -> dict[str, Any]:
+    """:func:`validate_stages` then :func:`stage_rules`.
+
+    Returns:
+        The validated config of each stage of ``stages``.
+
+    Raises:
+        ConfigRefused: any problem (all of them in one line).
+    """
+    configs, problems = validate_stages(run_config, stages)
+    if not problems:
+        problems = stage_rules(configs, facts)
+    if problems:
+        raise ConfigRefused("; ".join(problems))
+    return configs
+
+
+def min_length_of(model_path: str, layout: DataLayout) -> int:
+    """:func:`~cluster_pipeline.data.tokenization.min_prompted_length` of a local model,
+    cached per model (loading a tokenizer takes seconds; the cache a file read)."""
+    cache = JsonCache(layout.root / "cache" / "template_lengths")
+    key = model_fingerprint(model_path)[:20]
+    found = cache.get(key)
+    if isinstance(found, int):
+        return found
+    from cluster_pipeline.data.tokenization import min_prompted_length
+    from cluster_pipeline.models.loading import load_tokenizer
+
+    length = min_prompted_length(load_tokenizer(model_path))
+    cache.put(key, length)
+    return length
+
+
+def run_facts(
+    run_config: Mapping[str, Any],
+    stages: Collection[str],
+    instance: dg.DagsterInstance | None,
+    dataset: str | None,
+    layout: DataLayout,
+) -> RunFacts:
+    """The :class:`RunFacts` of a run: the dataset's latest ``raw_instructions`` record (when
+    the instance has one), the base model's template length when the model is already on
+    disk (the built-in one once converted; otherwise the stage checks it before loading it),
+    and the torchrun agents."""
+    resources = run_config.get("resources") or {}
+    train = heldout = None
+    text_records = False
+    if instance is not None and dataset is not None:
+        try:
+            record = latest_record(instance, RawInstructionsRecord, dataset)
+        except UpstreamNotMaterialized:
+            record = None
+        if record is not None:
+            text_records = record.forms.get("text", 0) > 0
+            if "raw_instructions" not in stages:  # else this run reads the data again
+                train, heldout = record.train_samples, record.heldout_samples
+    model = BaseModelResource(**((resources.get("base_model") or {}).get("config") or {})).model
+    min_length = None
+    if any(stage in stages for stage in LENGTH_STAGES):
+        path = local_model(model, layout.models_dir)
+        if path is not None:
+            min_length = min_length_of(path, layout)
+    torchrun = TorchrunResource(**((resources.get("torchrun") or {}).get("config") or {}))
+    return RunFacts(
+        dataset=dataset,
+        train_samples=train,
+        heldout_samples=heldout,
+        text_records=text_records,
+        min_length=min_length,
+        model=model,
+        agents=torchrun.agents,
+    )
+
+
+def check_run(
+    run_config: Mapping[str, Any],
+    stages: Collection[str],
+    instance: dg.DagsterInstance | None,
+    dataset: str | None,
+    layout: DataLayout,
+) -> dict[str, Any]:
+    """Check the config of every stage of a run (``stages``: the steps it executes).
+
+    Raises:
+        ConfigRefused: the one-line refusal (module docstring).
+    """
+    _, problems = validate_stages(run_config, stages)
+    if problems:  # bounds first: the rules below read valid configs only
+        raise ConfigRefused("; ".join(problems))
+    return check_stages(
+        run_config, stages, run_facts(run_config, stages, instance, dataset, layout)
+    )
+
+
+def check_run_config(config: Mapping[str, Any]) -> None:
+    """:func:`check_stages` for the stages a run config names (no instance, data or model: the
+    CLI's check of a config it prints).
+
+    Raises:
+        ConfigRefused (a ValueError): see :func:`check_stages`.
+    """
+    check_stages(config, list((config.get("ops") or {}).keys()))
+
+
+def run_stages(context: dg.AssetExecutionContext) -> list[str]:
+    """The stages the run of ``context`` executes (its job's steps, or the re-executed
+    subset)."""
+    names = [node.name for node in context.job_def.nodes_in_topological_order]
+    keys = context.run.step_keys_to_execute
+    return [n for n in names if keys is None or n in keys]
+
+
+def preflight(
+    context: dg.AssetExecutionContext,
+    layout: DataLayout,
+    model_path: str,
+    agents: int,
+    instructions: RawInstructionsRecord | None = None,
+) -> None:
+    """The rules of :func:`check_run` again, inside a step that is about to load the base model
+    (``model_path``, on disk by now) and launch torchrun, with what it knows by now: the chat
+    template's length, which the run's worker could not measure before the built-in model was
+    converted, and the pool N and forms of ``instructions`` (the ``raw_instructions`` record
+    the step reads, written earlier in this run, perhaps).
+
+    Raises:
+        dagster.Failure: the one-line refusal.
+    """
+    path = local_model(model_path, layout.models_dir)
+    facts = RunFacts(
+        dataset=context.partition_key if context.has_partition_key else None,
+        train_samples=instructions.train_samples if instructions else None,
+        text_records=bool(instructions and instructions.forms.get("text", 0)),
+        min_length=min_length_of(path, layout) if path else None,
+        model=model_path,
+        agents=agents,
+    )
+    configs, _ = validate_stages(context.run.run_config, run_stages(context))
+    problems = stage_rules(configs, facts)
+    if problems:
+        raise dg.Failure(description="; ".join(problems))

@@ -1,0 +1,225 @@
+"""Every stage's knobs are checked before a run's first step, each refusal one line naming
+``<stage>.<knob> = <value>: <rule>``: bounds the Dagster schema cannot carry, and the rules
+across stages, the data and the base model's chat template."""
+
+import pytest
+
+from cluster_pipeline.data.tokenization import encode_conversation, min_prompted_length
+from cluster_pipeline.defs.profiles import PROFILES, profile_run_config
+from cluster_pipeline.defs.run_checks import ConfigRefused, RunFacts, check_stages
+from cluster_pipeline.defs.stages import STAGES
+
+
+def _config(stage: str, **knobs) -> dict:
+    return {"ops": {stage: {"config": knobs}}}
+
+
+BOUNDS = [
+    ("peripheral_subsets", {"ratio": 0}, "ratio = 0: Input should be greater than 0"),
+    ("peripheral_subsets", {"ratio": 1.5}, "ratio = 1.5: Input should be less than or equal to 1"),
+    ("peripheral_subsets", {"ratio": -0.5}, "ratio = -0.5: Input should be greater than 0"),
+    (
+        "peripheral_subsets",
+        {"selector": "periphral"},
+        "selector = 'periphral': Input should be 'peripheral', 'core', 'random', 'uniform', "
+        "'random_global' or 'full'",
+    ),
+    ("peripheral_subsets", {"seed": -1}, "seed = -1: Input should be greater than or equal to 0"),
+    (
+        "balanced_clusters",
+        {"num_clusters": 0},
+        "num_clusters = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "balanced_clusters",
+        {"alpha": 0.5},
+        "alpha = 0.5: Input should be greater than or equal to 1",
+    ),
+    ("balanced_clusters", {"seed": -3}, "seed = -3: Input should be greater than or equal to 0"),
+    ("raw_instructions", {"seed": -1}, "seed = -1: Input should be greater than or equal to 0"),
+    (
+        "raw_instructions",
+        {"heldout_fraction": 1.0},
+        "heldout_fraction = 1.0: Input should be less than 1",
+    ),
+    (
+        "raw_instructions",
+        {"heldout_fraction": -0.1},
+        "heldout_fraction = -0.1: Input should be greater than or equal to 0",
+    ),
+    (
+        "raw_instructions",
+        {"max_train_samples": 0},
+        "max_train_samples = 0: Input should be greater than or equal to 1",
+    ),
+    ("shard_manifests", {"seed": -1}, "seed = -1: Input should be greater than or equal to 0"),
+    (
+        "proxy_embeddings",
+        {"max_length": 1},
+        "max_length = 1: Input should be greater than or equal to 2",
+    ),
+    (
+        "proxy_embeddings",
+        {"max_batch_size": 0},
+        "max_batch_size = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "proxy_embeddings",
+        {"chunk_size": 0},
+        "chunk_size = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "proxy_embeddings",
+        {"world_size": 0},
+        "world_size = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "trained_checkpoint",
+        {"per_device_batch_size": 0},
+        "per_device_batch_size = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "trained_checkpoint",
+        {"max_tokens_per_micro_batch": 0},
+        "max_tokens_per_micro_batch = 0: Input should be greater than or equal to 1",
+    ),
+    ("trained_checkpoint", {"seed": -2}, "seed = -2: Input should be greater than or equal to 0"),
+    (
+        "trained_checkpoint",
+        {"learning_rate": 0},
+        "learning_rate = 0: Input should be greater than 0",
+    ),
+    ("trained_checkpoint", {"warmup_ratio": 1}, "warmup_ratio = 1: Input should be less than 1"),
+    (
+        "eval_report",
+        {"batch_size": 0},
+        "batch_size = 0: Input should be greater than or equal to 1",
+    ),
+    (
+        "eval_report",
+        {"benchmarks": ["humaneva"]},
+        "benchmarks = ['humaneva']: unknown benchmarks ['humaneva']; choose from "
+        "['humaneval', 'mbpp', 'mmlu', 'mmlu_medical']",
+    ),
+    (
+        "eval_report",
+        {"humaneval_problems": 200},
+        "humaneval_problems = 200: Input should be less than or equal to 164",
+    ),
+    (
+        "peripheral_subsets",
+        {"ratoi": 0.5},
+        "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance",
+    ),
+]
+
+
+@pytest.mark.parametrize(("stage", "knobs", "message"), BOUNDS)
+def test_a_knob_outside_its_bounds_is_refused_in_one_line(stage, knobs, message):
+    with pytest.raises(ConfigRefused) as e:
+        check_stages(_config(stage, **knobs), STAGES)
+    assert str(e.value) == f"{stage}.{message}"
+    assert "\n" not in str(e.value)
+
+
+def test_several_problems_are_one_line():
+    config = {
+        "ops": {
+            "peripheral_subsets": {"config": {"ratio": 0}},
+            "balanced_clusters": {"config": {"num_clusters": 0}},
+        }
+    }
+    with pytest.raises(ConfigRefused) as e:
+        check_stages(config, STAGES)
+    assert str(e.value) == (
+        "balanced_clusters.num_clusters = 0: Input should be greater than or equal to 1; "
+        "peripheral_subsets.ratio = 0: Input should be greater than 0"
+    )
+
+
+RULES = [
+    (
+        {"raw_instructions": {"max_train_samples": 10}, "balanced_clusters": {"num_clusters": 16}},
+        STAGES,
+        RunFacts(),
+        "balanced_clusters.num_clusters = 16: more clusters than training samples "
+        "(raw_instructions.max_train_samples = 10 caps N); K <= N",
+    ),
+    (  # The run does not read the data again: N of the dataset's latest raw_instructions.
+        {"balanced_clusters": {"num_clusters": 100}},
+        ["balanced_clusters", "peripheral_subsets"],
+        RunFacts(dataset="tiny", train_samples=57),
+        "balanced_clusters.num_clusters = 100: more clusters than the 57 training samples of "
+        "dataset 'tiny' (raw_instructions); K <= N",
+    ),
+    (
+        {"raw_instructions": {"heldout_fraction": 0}},
+        STAGES,
+        RunFacts(),
+        "raw_instructions.heldout_fraction = 0.0: eval_report scores the held-out split, so it "
+        "must be > 0 when the run evaluates",
+    ),
+    (
+        {"proxy_embeddings": {"world_size": 3}},
+        ["proxy_embeddings"],
+        RunFacts(agents=2),
+        "proxy_embeddings.world_size = 3: must be a multiple of the 2 torchrun agents "
+        "(resources.torchrun nnodes)",
+    ),
+    (
+        {"balanced_clusters": {"num_clusters": 3}},
+        ["balanced_clusters", "trained_checkpoint"],
+        RunFacts(agents=2),
+        "balanced_clusters.num_clusters = 3: K training ranks must split evenly over the 2 "
+        "torchrun agents (resources.torchrun nnodes)",
+    ),
+    (
+        {"proxy_embeddings": {"max_length": 8}, "eval_report": {"max_length": 12}},
+        STAGES,
+        RunFacts(min_length=16, model="tiny"),
+        "proxy_embeddings.max_length = 8: too short for any sample: the chat template of tiny "
+        "writes 15 tokens before an answer even for an empty question, so max_length must be "
+        ">= 16; eval_report.max_length = 12: too short for any sample: the chat template of "
+        "tiny writes 15 tokens before an answer even for an empty question, so max_length must "
+        "be >= 16",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ops", "stages", "facts", "message"), RULES)
+def test_rules_across_stages_data_and_model(ops, stages, facts, message):
+    config = {"ops": {stage: {"config": knobs} for stage, knobs in ops.items()}}
+    with pytest.raises(ConfigRefused) as e:
+        check_stages(config, stages, facts)
+    assert str(e.value) == message
+
+
+def test_what_the_rules_allow():
+    # Embedding and training lengths may differ; K = N is allowed; without eval_report the
+    # held-out split may be empty; prompt-less text records fit any length.
+    ops = {
+        "raw_instructions": {"config": {"max_train_samples": 8, "heldout_fraction": 0}},
+        "proxy_embeddings": {"config": {"max_length": 512}},
+        "balanced_clusters": {"config": {"num_clusters": 8}},
+        "trained_checkpoint": {"config": {"max_length": 128}},
+    }
+    check_stages({"ops": ops}, STAGES[:6], RunFacts(min_length=16))
+    check_stages(
+        _config("proxy_embeddings", max_length=8),
+        ["proxy_embeddings"],
+        RunFacts(min_length=16, text_records=True),
+    )
+    # Stages outside the run are not checked by the rules (nor their absent config).
+    check_stages(_config("balanced_clusters", num_clusters=100), ["proxy_embeddings"])
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_every_profile_passes(profile):
+    check_stages(profile_run_config(profile), STAGES, RunFacts(min_length=40))
+
+
+def test_min_prompted_length_is_the_shortest_that_keeps_an_answer(tiny_tokenizer):
+    n = min_prompted_length(tiny_tokenizer)
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": "The sum."}]
+    assert encode_conversation(tiny_tokenizer, messages, n).n_response_tokens == 1
+    assert encode_conversation(tiny_tokenizer, messages, n - 1).skip_reason is not None
