@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 POOLS = {"gpteacher_codegen": SHARED_TRAIN / "gpteacher_codegen.json"}
@@ -171,7 +173,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         )
 
     evaluate(model_path, "base", "base")
-    plan = [*args.plan, "full"]
+    plan = [*args.plan] + ([] if args.no_full else ["full"])
     for seed in args.seeds:
         for variant in plan:
             selector, alpha, reweight, balance = VARIANTS.get(
@@ -220,17 +222,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
             job_file = job.dump(folder / "job.json")
             start = time.perf_counter()
             done = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    "--nproc_per_node=2",
-                    "-m",
-                    "cluster_pipeline.recipes.train",
-                    "--config",
-                    str(job_file),
-                ],
+                torchrun_command(RECIPES["train"], 2, ["--config", str(job_file)]),
                 capture_output=True,
                 text=True,
             )
@@ -288,7 +280,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
 
 
 def print_dataset(out: dict) -> None:
-    full = next(r for r in out["rows"] if r["group"].startswith("full"))
+    full = next((r for r in out["rows"] if r["group"].startswith("full")), None)
     print(
         f"\n== {out['dataset']}: pool N={out['pool']}, {out['heldout']} held out, "
         f"selection (embedding + clustering) {out['selection_seconds']:.1f} s"
@@ -298,7 +290,11 @@ def print_dataset(out: dict) -> None:
         f"{'train s':>8} {'vs full':>7} {'grad div':>8} {'rank cos':>8}"
     )
     for r in out["rows"]:
-        ratio = r["train_seconds"] / full["train_seconds"] if r["group"] != "base" else float("nan")
+        ratio = (
+            r["train_seconds"] / full["train_seconds"]
+            if full is not None and r["group"] != "base"
+            else float("nan")
+        )
         print(
             f"{r['group']:>36} {r['n']:>4} {r['data_fraction']:>5.2f} "
             f"{r['heldout_loss']:>8.4f}±{r['heldout_loss_std']:.4f} "
@@ -331,6 +327,9 @@ def main() -> None:
         default=DEFAULT_PLAN,
         choices=list(VARIANTS),
         help="variants trained beside full data (module docstring)",
+    )
+    p.add_argument(
+        "--no-full", action="store_true", help="skip full data (no comparisons against it)"
     )
     p.add_argument("--pool", type=int, default=160, help="training pool N per dataset")
     p.add_argument("--heldout", type=int, default=160, help="held-out samples per dataset")

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
@@ -46,12 +48,9 @@ def train(work: Path, name: str, model_path: str, table, manifests, settings) ->
         manifests=manifests,
         output_dir=str(out),
     ).dump(work / f"{name}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", "-m", "cluster_pipeline.recipes.train"]
+    command = torchrun_command(RECIPES["train"], 2, ["--config", str(work / f"{name}.json")])
     start = time.perf_counter()
-    done = subprocess.run(
-        [*command, "--config", str(work / f"{name}.json")], capture_output=True, text=True
-    )
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         # Both ranks write to stderr: the first failure may lie far above the end.
         log = work / f"{name}.stderr"

@@ -340,6 +340,7 @@ def core(args) -> dict:
 
 def _core_run(work: Path, dataset: str, mode: str, args, row: int, max_steps: int | None) -> dict:
     out = work / f"{dataset}_{mode}_{row}_{max_steps}.json"
+    # torchrun_command starts a module; the timing core is this script's own subcommand.
     cmd = [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
         *[__file__, "core", "--samples", str(work / f"{dataset}.json"), "--mode", mode],

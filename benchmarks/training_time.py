@@ -12,10 +12,11 @@ start to exit, and the training loop alone) and their ratio; target <= 0.45 at ~
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,17 +84,7 @@ def main() -> None:
             manifests=paths,
             output_dir=str(out),
         ).dump(work / f"{selector}.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "cluster_pipeline.recipes.train",
-            "--config",
-            str(work / f"{selector}.json"),
-        ]
+        cmd = torchrun_command(RECIPES["train"], 2, ["--config", str(work / f"{selector}.json")])
         start = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True)
         wall = time.perf_counter() - start

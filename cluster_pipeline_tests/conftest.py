@@ -11,6 +11,20 @@ import pytest
 from cluster_pipeline_tests.helpers import build_model, build_tokenizer, tiny_records, write_jsonl
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip ``@pytest.mark.gpu`` tests, with the reason, where torch sees no CUDA device."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()
@@ -36,6 +50,19 @@ def tiny_data_dir(tmp_path) -> Path:
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     return data
+
+
+@pytest.fixture(autouse=True)
+def _no_defs_state_storage_left_by_an_earlier_test():
+    """Start every test with no current definitions-state storage. An instance an earlier test
+    opened sets one in a context variable; once that instance is disposed, a later
+    ``dg.materialize`` without an instance resolved it ("Attempted to resolve undefined
+    DagsterInstance weakref", seen in test_slurm_launcher after the e2e tests). Dagster has no
+    public way to clear it, hence the private import."""
+    from dagster._core.storage.defs_state.base import set_defs_state_storage
+
+    with set_defs_state_storage(None):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -233,6 +233,27 @@ def resources(data_dir: Path, model_dir: Path) -> dict:
     }
 
 
+def materialize_partition(
+    assets: list[dg.AssetsDefinition],
+    instance: dg.DagsterInstance,
+    resources: dict,
+    *,
+    run_config: dict | None = None,
+    partition: str = "tiny",
+    raise_on_error: bool = True,
+) -> dg.ExecuteInProcessResult:
+    """``dg.materialize`` of ``assets`` for one dataset partition, in process, with the tests'
+    run config (:func:`run_config_for` ``assets`` unless ``run_config`` is given)."""
+    return dg.materialize(
+        assets,
+        partition_key=partition,
+        instance=instance,
+        resources=resources,
+        run_config=run_config if run_config is not None else run_config_for(assets),
+        raise_on_error=raise_on_error,
+    )
+
+
 def meta(instance, asset: str, partition: str = "tiny") -> dict:
     """Metadata values of the latest materialization of ``asset``."""
     rec = instance.fetch_materializations(

@@ -1,13 +1,13 @@
 """Resources: where data lives, which base model, how torchrun is launched."""
 
 import os
-import re
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 from typing import Literal
 
 import dagster as dg
-from dagster._core.errors import DagsterPipesExecutionError
 from pydantic import Field, PrivateAttr
 
 from cluster_pipeline.launch import slurm
@@ -189,15 +189,39 @@ class TorchrunResource(dg.ConfigurableResource):
         command = self.command(
             module, nproc_per_node, ["--config", str(job_file)], log_dir, local=local
         )
-        try:
-            return pipes_client.run(context=context, command=command)
-        except DagsterPipesExecutionError as e:
+        # Pipes' own session around our Popen (what PipesSubprocessClient.run does), so the
+        # launcher's exit status is read directly instead of parsed from an error message.
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=pipes_client.context_injector,
+            message_reader=pipes_client.message_reader,
+        ) as session:
+            process = subprocess.Popen(
+                command,
+                cwd=pipes_client.cwd,
+                env={**os.environ, **pipes_client.env, **session.get_bootstrap_env_vars()},
+            )
+            try:
+                code = process.wait()
+            except BaseException:
+                # Run termination reaches the step as an interrupt: torchrun gets SIGINT (it
+                # stops its ranks), then SIGKILL if it has not exited in time.
+                context.log.info(f"interrupted: stopping torchrun (pid {process.pid})")
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=pipes_client.termination_timeout_seconds)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                raise
+        if code != 0:
             failures = rank_failures(log_dir)
-            # No rank left a trace: the launcher itself died (Pipes reports its exit code).
-            code = re.search(r"failed with code (-?\d+)", str(e))
-            launcher = signal_cause(int(code.group(1))) if code else None
+            # No rank left a trace: the launcher itself died (its exit status says how).
+            launcher = signal_cause(code)
             cause = failure_summary(failures) or (
-                f"the torchrun launcher was {launcher}" if launcher else str(e)
+                f"the torchrun launcher was {launcher}"
+                if launcher
+                else f"the torchrun launcher exited with status {code}"
             )
             where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
             raise dg.Failure(
@@ -208,8 +232,10 @@ class TorchrunResource(dg.ConfigurableResource):
                         for name, text in failures.items()
                     },
                     "log_dir": dg.MetadataValue.path(str(log_dir)),
+                    "exit_status": code,
                 },
-            ) from e
+            )
+        return dg.PipesClientCompletedInvocation(session)
 
     def _run_slurm(
         self,

@@ -89,7 +89,10 @@ def test_packed_embeddings_equal_padded_ones(tiny_model, tiny_tokenizer, encoded
 
 
 def _per_sample_losses_and_grads(model, batch, n):
-    """Each sample's summed target cross-entropy and the gradient of their total."""
+    """Each sample's summed target cross-entropy and the gradient of their total (on the
+    model's device)."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     model.zero_grad()
     logits = model(
         input_ids=batch["input_ids"],
@@ -105,7 +108,7 @@ def _per_sample_losses_and_grads(model, batch, n):
     )
     owner = batch["sample_index"][:, 1:].flatten()
     keep = batch["labels"][:, 1:].flatten() != IGNORE_INDEX
-    losses = torch.zeros(n).index_add_(0, owner[keep], ce[keep])
+    losses = torch.zeros(n, device=device).index_add_(0, owner[keep], ce[keep])
     total = token_loss_sum(logits, batch["labels"])
     torch.testing.assert_close(total, losses.sum(), rtol=1e-6, atol=1e-5)
     total.backward()
@@ -172,3 +175,15 @@ def test_packed_losses_and_gradients_equal_padded_ones_on_smollm2():
     model, tok = load_model_and_tokenizer(path)
     encoded = [encode_sample(tok, *s, max_length=128) for s in SAMPLES[:6]]
     _check_packed_equals_padded(model, encoded, tok.pad_token_id, [[0, 1, 2], [3, 4, 5]], 1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_losses_and_gradients_equal_padded_ones_on_cuda(tiny_model, tiny_tokenizer, encoded):
+    # The same check on the GPU path (sdpa's CUDA kernels), float32 without TF32 matmuls.
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = copy.deepcopy(tiny_model).cuda()
+    rows = [[0, 3, 5], [1, 2], [4, 6, 7]]
+    _check_packed_equals_padded(model, encoded, tiny_tokenizer.pad_token_id, rows, 1e-5)

@@ -14,7 +14,13 @@ from cluster_pipeline.evaluation.render import summary_table
 from cluster_pipeline.evaluation.report import ModelResult, aggregate, compare_groups, render_report
 from cluster_pipeline.evaluation.sandbox import sandbox_problem
 from cluster_pipeline.evaluation.suites import ItemScores, dataset_benchmarks
-from cluster_pipeline_tests.helpers import RUN_CONFIG, meta, pipeline_assets, resources
+from cluster_pipeline_tests.helpers import (
+    RUN_CONFIG,
+    materialize_partition,
+    meta,
+    pipeline_assets,
+    resources,
+)
 
 ASSETS = pipeline_assets()
 
@@ -191,13 +197,7 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         train_chain = {"ops": {k: v for k, v in RUN_CONFIG["ops"].items() if k != "eval_report"}}
         for _ in range(2):
-            assert dg.materialize(
-                ASSETS[:6],
-                partition_key="tiny",
-                instance=instance,
-                resources=res,
-                run_config=train_chain,
-            ).success
+            assert materialize_partition(ASSETS[:6], instance, res, run_config=train_chain).success
         # The second run wrote a new raw_instructions version holding the same samples: the
         # finished checkpoint is reused (its key is the samples' content, not the version).
         assert meta(instance, "raw_instructions")["table_version"] == 1
@@ -213,18 +213,12 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
                     "trained_checkpoint": {"config": {**train_cfg, "seed": seed}},
                 }
             }
-            assert dg.materialize(
-                ASSETS[3:6], partition_key="tiny", instance=instance, resources=res, run_config=cfg
-            ).success
+            assert materialize_partition(ASSETS[3:6], instance, res, run_config=cfg).success
             assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is False
         # The same inputs and settings again: the finished checkpoint is reused, not retrained.
-        assert dg.materialize(
-            ASSETS[3:6], partition_key="tiny", instance=instance, resources=res, run_config=cfg
-        ).success
+        assert materialize_partition(ASSETS[3:6], instance, res, run_config=cfg).success
         assert meta(instance, "trained_checkpoint")["reused_checkpoint"] is True
-        assert dg.materialize(
-            [ASSETS[6]], partition_key="tiny", instance=instance, resources=res, run_config=eval_cfg
-        ).success
+        assert materialize_partition([ASSETS[6]], instance, res, run_config=eval_cfg).success
         m = meta(instance, "eval_report")
         assert m["models_compared"] == 5
         report = Path(str(m["report_path"]))
@@ -276,9 +270,7 @@ def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_
         # The inter-rank gradient cosine was logged during training (every 5 steps).
         assert "| peripheral r=0.5 |" in text and "inter-rank grad cosine" in text
         # Evaluations are cached: a second report evaluates nothing again.
-        assert dg.materialize(
-            [ASSETS[6]], partition_key="tiny", instance=instance, resources=res, run_config=eval_cfg
-        ).success
+        assert materialize_partition([ASSETS[6]], instance, res, run_config=eval_cfg).success
         assert len(list((report.parent / "evals").glob("*.json"))) == 5
 
 

@@ -20,6 +20,7 @@ import yaml
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import (
     RUN_CONFIG,
+    materialize_partition,
     pipeline_assets,
     read,
     resources,
@@ -113,11 +114,10 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
 
         def materialize(assets, **overrides):
-            return dg.materialize(
+            return materialize_partition(
                 assets,
-                partition_key="tiny",
-                instance=instance,
-                resources=res,
+                instance,
+                res,
                 run_config=run_config_for(assets, **overrides),
                 raise_on_error=False,
             )
@@ -167,13 +167,7 @@ def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(
     home.mkdir()
     with dg.instance_for_test(temp_dir=str(home)) as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize(
-            ASSETS[:6],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config=run_config_for(ASSETS[:6]),
-        ).success
+        assert materialize_partition(ASSETS[:6], instance, res).success
         config = tmp_path / "eval.yaml"
         config.write_text(
             yaml.safe_dump({"ops": {"eval_report": RUN_CONFIG["ops"]["eval_report"]}})

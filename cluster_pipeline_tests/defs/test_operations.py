@@ -17,6 +17,7 @@ from cluster_pipeline.defs.schedules import changed_datasets, nightly_selection_
 from cluster_pipeline.defs.sensors import dataset_folders_sensor
 from cluster_pipeline_tests.helpers import (
     RUN_CONFIG,
+    materialize_partition,
     meta,
     pipeline_assets,
     read,
@@ -120,9 +121,7 @@ def test_raw_instructions_of_an_accented_dataset_counts_records_per_file(tmp_pat
     res = {"storage": StorageResource(data_dir=str(data))}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["données"])
-        assert dg.materialize(
-            [raw_instructions], partition_key="données", instance=instance, resources=res
-        ).success
+        assert materialize_partition([raw_instructions], instance, res, partition="données").success
         assert meta(instance, "raw_instructions", "données")["records_per_file"] == {
             "a.jsonl": 3,
             "sub/b.jsonl": 4,
@@ -154,9 +153,7 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         res = {"storage": StorageResource(data_dir=str(data))}
-        assert dg.materialize(
-            [raw_instructions], partition_key="tiny", instance=instance, resources=res
-        ).success
+        assert materialize_partition([raw_instructions], instance, res).success
     cases = {
         ("datasets", "sync", "--require", "empty", *d): (
             "cluster-pipeline datasets: error: dataset 'empty' cannot be registered: "
@@ -198,12 +195,8 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
         instance.add_dynamic_partitions(DATASETS, ["tiny", "python_stdlib"])
         # Never materialized: both datasets count as changed.
         assert set(changed_datasets(instance, storage)) == {"tiny", "python_stdlib"}
-        assert dg.materialize(
-            [*ASSETS, sample_lineage],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config=RUN_CONFIG,
+        assert materialize_partition(
+            [*ASSETS, sample_lineage], instance, res, run_config=RUN_CONFIG
         ).success
         assert set(changed_datasets(instance, storage)) == {"python_stdlib"}
         requests = nightly_selection_refresh(
@@ -237,13 +230,7 @@ def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, cap
         subsets_v0 = int(meta(instance, "peripheral_subsets")["table_version"])
         shard_dir = Path(meta(instance, "shard_manifests")["manifest_paths"][0]).parent
         cfg = {"ops": {"peripheral_subsets": {"config": {"ratio": 0.25}}}}
-        assert dg.materialize(
-            [ASSETS[3], ASSETS[4]],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config=cfg,
-        ).success
+        assert materialize_partition([ASSETS[3], ASSETS[4]], instance, res, run_config=cfg).success
         subsets_v1 = int(meta(instance, "peripheral_subsets")["table_version"])
         assert subsets_v1 == subsets_v0 + 1
         assert (
@@ -287,11 +274,8 @@ def test_automation_follows_parents_but_never_trains(tiny_data_dir):
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         first = dg.evaluate_automation_conditions(defs=definitions, instance=instance)
         assert first.total_requested == 0  # nothing upstream yet
-        assert dg.materialize(
-            [raw_instructions],
-            partition_key="tiny",
-            instance=instance,
-            resources={"storage": StorageResource(data_dir=str(tiny_data_dir))},
+        assert materialize_partition(
+            [raw_instructions], instance, {"storage": StorageResource(data_dir=str(tiny_data_dir))}
         ).success
         result = dg.evaluate_automation_conditions(
             defs=definitions, instance=instance, cursor=first.cursor
@@ -312,27 +296,17 @@ def test_a_bad_eval_json_fails_raw_instructions_and_keeps_earlier_tables(tiny_da
     res = {"storage": StorageResource(data_dir=str(tiny_data_dir))}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize(
-            [raw_instructions], partition_key="tiny", instance=instance, resources=res
-        ).success
+        assert materialize_partition([raw_instructions], instance, res).success
         before = read(instance, "raw_instructions")
         (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text('{"benchmarks": ["gsm8k"]}')
-        failed = dg.materialize(
-            [raw_instructions],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            raise_on_error=False,
-        )
+        failed = materialize_partition([raw_instructions], instance, res, raise_on_error=False)
         assert not failed.success
         assert "eval.json: unknown benchmarks ['gsm8k']" in step_failure(failed)[0]
         assert read(instance, "raw_instructions").equals(before)
         (tiny_data_dir / "raw" / "tiny" / "eval.json").write_text(
             '{"benchmarks": ["mmlu_medical"]}'
         )
-        assert dg.materialize(
-            [raw_instructions], partition_key="tiny", instance=instance, resources=res
-        ).success
+        assert materialize_partition([raw_instructions], instance, res).success
         assert meta(instance, "raw_instructions")["benchmarks"] == ["mmlu_medical"]
         assert read(instance, "raw_instructions").height == 60
 
@@ -367,11 +341,11 @@ def _materialized_raw(data: Path, name: str):
         instance.add_dynamic_partitions(DATASETS, [name])
         yield (
             instance,
-            dg.materialize(
+            materialize_partition(
                 [raw_instructions],
-                partition_key=name,
-                instance=instance,
-                resources={"storage": StorageResource(data_dir=str(data))},
+                instance,
+                {"storage": StorageResource(data_dir=str(data))},
+                partition=name,
                 raise_on_error=False,
             ),
         )

@@ -20,6 +20,7 @@ from cluster_pipeline_tests.helpers import (
     RUN_CONFIG,
     build_model,
     build_tokenizer,
+    materialize_partition,
     meta,
     pipeline_assets,
     read,
@@ -39,12 +40,8 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        result = dg.materialize(
-            ASSETS,
-            partition_key="tiny",
-            instance=instance,
-            resources=resources(tiny_data_dir, tiny_model_dir),
-            run_config=RUN_CONFIG,
+        result = materialize_partition(
+            ASSETS, instance, resources(tiny_data_dir, tiny_model_dir), run_config=RUN_CONFIG
         )
         assert result.success
 
@@ -132,24 +129,13 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
 def test_a_failing_rank_fails_the_asset_with_its_error(tiny_data_dir, tiny_model_dir):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        ok = dg.materialize(
-            ASSETS[:5],
-            partition_key="tiny",
-            instance=instance,
-            resources=resources(tiny_data_dir, tiny_model_dir),
-            run_config=run_config_for(ASSETS[:5]),
-        )
+        ok = materialize_partition(ASSETS[:5], instance, resources(tiny_data_dir, tiny_model_dir))
         assert ok.success
         before = read(instance, "shard_manifests")
         path = Path(meta(instance, "shard_manifests")["manifest_paths"][1])
         path.write_text(path.read_text().replace('"weight"', '"weight_typo"', 1))
-        failed = dg.materialize(
-            [ASSETS[5]],
-            partition_key="tiny",
-            instance=instance,
-            resources=resources(tiny_data_dir, tiny_model_dir),
-            raise_on_error=False,
-            run_config=run_config_for([ASSETS[5]]),
+        failed = materialize_partition(
+            [ASSETS[5]], instance, resources(tiny_data_dir, tiny_model_dir), raise_on_error=False
         )
         assert not failed.success
         description, metadata = step_failure(failed)
@@ -173,20 +159,13 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
     res = resources(tiny_data_dir, tiny_model_dir)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
-        assert dg.materialize(
-            ASSETS[:5],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config=run_config_for(ASSETS[:5]),
-        ).success
+        assert materialize_partition(ASSETS[:5], instance, res).success
         built_from = meta(instance, "shard_manifests")
         first_raw = read(instance, "raw_instructions")
-        assert dg.materialize(
+        assert materialize_partition(
             ASSETS[:2],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
+            instance,
+            res,
             run_config=run_config_for(ASSETS[:2], raw_instructions={"seed": 1}),
         ).success
         newest_raw = read(instance, "raw_instructions")
@@ -195,13 +174,7 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
         )
         assert meta(instance, "proxy_embeddings")["table_version"] == 1
 
-        assert dg.materialize(
-            ASSETS[3:6],
-            partition_key="tiny",
-            instance=instance,
-            resources=res,
-            run_config=run_config_for(ASSETS[3:6]),
-        ).success
+        assert materialize_partition(ASSETS[3:6], instance, res).success
         inputs = meta(instance, "peripheral_subsets")["inputs"]
         assert inputs["proxy_embeddings"]["version"] == 0
         assert inputs["raw_instructions"]["version"] == 0
@@ -273,12 +246,12 @@ def test_every_form_trains_end_to_end(tmp_path, tiny_model_dir, tiny_tokenizer):
     _forms_dataset(data / "raw" / "forms")
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["forms"])
-        result = dg.materialize(
+        result = materialize_partition(
             ASSETS,
-            partition_key="forms",
-            instance=instance,
-            resources=resources(data, tiny_model_dir),
+            instance,
+            resources(data, tiny_model_dir),
             run_config=RUN_CONFIG,
+            partition="forms",
         )
         assert result.success
         raw = read(instance, "raw_instructions", "forms")
@@ -327,13 +300,8 @@ def test_a_template_that_cannot_split_turns_fails_naming_dataset_and_sample(tmp_
     assets = ASSETS[:2]
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["chats"])
-        failed = dg.materialize(
-            assets,
-            partition_key="chats",
-            instance=instance,
-            resources=resources(data, model_dir),
-            run_config=run_config_for(assets),
-            raise_on_error=False,
+        failed = materialize_partition(
+            assets, instance, resources(data, model_dir), partition="chats", raise_on_error=False
         )
         assert not failed.success
         description, _ = step_failure(failed)
@@ -377,12 +345,8 @@ def test_tools_reach_the_template_or_fail_naming_the_sample(tmp_path, tiny_model
     config = run_config_for(assets, proxy_embeddings={"max_length": 512})
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tools"])
-        ok = dg.materialize(
-            assets,
-            partition_key="tools",
-            instance=instance,
-            resources=resources(data, model_dir),
-            run_config=config,
+        ok = materialize_partition(
+            assets, instance, resources(data, model_dir), run_config=config, partition="tools"
         )
         assert ok.success
         train = read(instance, "raw_instructions", "tools").filter(pl.col("split") == "train")
@@ -395,12 +359,12 @@ def test_tools_reach_the_template_or_fail_naming_the_sample(tmp_path, tiny_model
         assert all(e.skip_reason is None for e in expected)
         # The tiny model's plain ChatML template has no place for tools: the embedding step
         # fails naming the first such sample of the training split and its source line.
-        failed = dg.materialize(
+        failed = materialize_partition(
             assets,
-            partition_key="tools",
-            instance=instance,
-            resources=resources(data, tiny_model_dir),
+            instance,
+            resources(data, tiny_model_dir),
             run_config=config,
+            partition="tools",
             raise_on_error=False,
         )
         assert not failed.success

@@ -8,7 +8,14 @@ import pytest
 from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
 from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
 from cluster_pipeline.defs.partitions import DATASETS
-from cluster_pipeline_tests.helpers import meta, read, resources, tiny_records, write_jsonl
+from cluster_pipeline_tests.helpers import (
+    materialize_partition,
+    meta,
+    read,
+    resources,
+    tiny_records,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +24,10 @@ def _run(instance, data_dir, model_dir, **embed_cfg):
     cfg = {
         "ops": {"proxy_embeddings": {"config": {"max_length": 64, "chunk_size": 16, **embed_cfg}}}
     }
-    result = dg.materialize(
+    result = materialize_partition(
         [raw_instructions, proxy_embeddings],
-        partition_key="tiny",
-        instance=instance,
-        resources=resources(data_dir, model_dir),
+        instance,
+        resources(data_dir, model_dir),
         run_config=cfg,
     )
     assert result.success

@@ -18,7 +18,13 @@ import yaml
 from cluster_pipeline.defs.assets.proxy_embeddings import proxy_embeddings
 from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
 from cluster_pipeline.defs.partitions import DATASETS
-from cluster_pipeline_tests.helpers import meta, read, resources, step_failure
+from cluster_pipeline_tests.helpers import (
+    materialize_partition,
+    meta,
+    read,
+    resources,
+    step_failure,
+)
 from cluster_pipeline_tests.slurm.defs import ENTRY, slurm_entry, slurm_torchrun
 from cluster_pipeline_tests.slurm.entry import FAILURE
 
@@ -105,11 +111,10 @@ def test_failed_rank_is_named_with_job_state_and_node(local_slurm, tmp_path):
 
 
 def _embed(instance, res, **config):
-    result = dg.materialize(
+    result = materialize_partition(
         [raw_instructions, proxy_embeddings],
-        partition_key="tiny",
-        instance=instance,
-        resources=res,
+        instance,
+        res,
         run_config={
             "ops": {
                 "proxy_embeddings": {
