@@ -46,7 +46,7 @@ class StorageResource(dg.ConfigurableResource):
         (:func:`~cluster_pipeline.launch.fate.bind_step`): it dies with the run's worker,
         and :attr:`guard` refuses commits once the run is no longer alive. Processes the step
         starts (torchrun) inherit the guard."""
-        run = context.dagster_run
+        run = context.run
         dataset = run.tags.get(PARTITION_TAG) if run is not None else None
         if run is None or dataset is None:
             return
