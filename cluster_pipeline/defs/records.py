@@ -171,6 +171,9 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     world_size: int
     mean_loss: float
     base_model: str
+    # The pass's EmbedSettings: the selectors' own passes (rds's targets, ifd's unconditioned
+    # losses) run under the same ones.
+    embed_settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +242,9 @@ class PeripheralSubsetsRecord(SelectionRecord):
     forward_passes: int = 0
     backward_passes: int = 0
     selection_passes: list[dict[str, Any]] = field(default_factory=list)
+    # A targeted selector's (rds) target set: its name or folder, and its embedded samples.
+    selection_target: str | None = None
+    selection_target_samples: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

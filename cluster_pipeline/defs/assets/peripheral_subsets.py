@@ -10,25 +10,23 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
     PeripheralSubsetsRecord,
-    ProxyEmbeddingsRecord,
-    pinned_record,
     read_record,
 )
-from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
+from cluster_pipeline.defs.selection_inputs import gather_inputs
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
 from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import (
     Balance,
-    PassCost,
-    SelectionInputs,
     SelectionParams,
     Selector,
     describe,
     per_cluster_summary,
     run_selector,
 )
+from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import markdown_preview, write_table
 
@@ -52,12 +50,29 @@ class PeripheralSubsetsConfig(dg.Config):
         "rank c's weight is K R_c / R (R_c the cluster's response tokens). samples = the "
         "published rule: floor(r x the smallest cluster's size) samples each, w_c = n_c K / N.",
     )
+    target: str | None = Field(
+        default=None,
+        description="rds only: the target set to select towards: a benchmark of "
+        "evaluation/suites.py (humaneval, mbpp, mmlu, mmlu_medical; its prompts with reference "
+        "solutions, read from data/eval/ like eval_report's) or the absolute path of a folder "
+        "of samples in any input form.",
+    )
+    target_size: int = Field(
+        default=64,
+        ge=1,
+        description="rds only: at most this many target samples (a benchmark's first N items, "
+        "a folder's first N distinct samples).",
+    )
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
 @stage_asset("selection", deps=[BALANCED_CLUSTERS, PROXY_EMBEDDINGS], kinds={"polars", "deltalake"})
 def peripheral_subsets(
-    context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource
+    context: dg.AssetExecutionContext,
+    config: PeripheralSubsetsConfig,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     """One row per clustered sample: ``selection_rank`` (0 = first chosen within its cluster by
     a cluster selector, in the whole pool by the others), ``selected``, ``copies`` (times
@@ -76,26 +91,20 @@ def peripheral_subsets(
         how="left",
         maintain_order="left",
     )
-    pool_pass = pinned_record(context, ProxyEmbeddingsRecord, embeddings)
-    inputs = SelectionInputs(
-        labels=frame["cluster"].to_numpy(),
-        k=clusters.num_clusters,
-        sq_distance=frame["sq_distance"].to_numpy(),
-        lengths=frame["n_tokens"].to_numpy(),
-        response_tokens=frame["n_response_tokens"].to_numpy(),
-        passes=(
-            PassCost(
-                "embedding",
-                samples=frame.height,
-                tokens=int(frame["n_tokens"].sum()),
-                seconds=pool_pass.selection_seconds,
-                run_now=pool_pass.samples_embedded_now,
-            ),
-        ),
+    gathered = gather_inputs(
+        context,
+        config.selector,
+        config.target,
+        config.target_size,
+        storage,
+        torchrun,
+        pipes_subprocess_client,
+        clusters,
+        frame,
     )
     params = SelectionParams(config.ratio, config.seed, config.balance)
     try:
-        result = run_selector(config.selector, inputs, params)
+        result = run_selector(config.selector, gathered.inputs, params)
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
     cost, score = result.cost, result.score
@@ -145,9 +154,16 @@ def peripheral_subsets(
     )
     record = PeripheralSubsetsRecord(
         table=table,
-        inputs=clusters.lineage(),
+        inputs={**clusters.lineage(), **gathered.tables},
         seconds=round(seconds, 3),
-        selection_seconds=round(clusters.selection_seconds + seconds, 2),
+        # A selector's own passes count at their measured rate, cached or run now.
+        selection_seconds=round(
+            clusters.selection_seconds
+            + seconds
+            - gathered.pass_wall_seconds
+            + sum(p.seconds for p in cost.passes if p.name != PASS_EMBEDDING),
+            2,
+        ),
         selector=config.selector,
         ratio=config.ratio,
         seed=config.seed,
@@ -166,6 +182,8 @@ def peripheral_subsets(
         forward_passes=cost.forward_passes,
         backward_passes=cost.backward_passes,
         selection_passes=[p.to_dict() for p in cost.passes],
+        selection_target=gathered.target,
+        selection_target_samples=gathered.target_samples,
     )
     map_png = plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], result.selected[rows])
     return dg.MaterializeResult(

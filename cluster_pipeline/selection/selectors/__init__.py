@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.selection.selectors import global_random, peripheral
+from cluster_pipeline.selection.selectors import global_random, peripheral, rds
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
+    PASS_TARGETS,
     PassCost,
     SelectionCost,
     SelectionInputs,
@@ -52,6 +53,7 @@ __all__ = [
     "SelectorSpec",
     "cluster_weights",
     "describe",
+    "needs_targets",
     "per_cluster_budget",
     "per_cluster_summary",
     "run_selector",
@@ -116,6 +118,15 @@ REGISTRY: dict[str, SelectorSpec] = {
             global_random.full,
             source="full-data training",
         ),
+        SelectorSpec(
+            "rds",
+            "RDS+: round-robin over the target set (peripheral_subsets.target), each target "
+            "taking its most similar pool sample by the cosine of mean response hidden states",
+            rds.rds,
+            needs=("hidden_mean", "targets"),
+            passes=(PASS_EMBEDDING, PASS_TARGETS),
+            source="Ivison et al. 2025, Large-Scale Data Selection for Instruction Tuning",
+        ),
     )
 }
 
@@ -130,6 +141,12 @@ if TYPE_CHECKING:
 else:
     # The run config's choices, built from the registry (Dagster shows them as an enum).
     Selector = Literal[SELECTORS]
+
+
+def needs_targets(name: str) -> bool:
+    """Whether the selector ``name`` reads a target set (``peripheral_subsets.target``)."""
+    spec = REGISTRY.get(name)
+    return spec is not None and PASS_TARGETS in spec.passes
 
 
 def describe() -> str:
