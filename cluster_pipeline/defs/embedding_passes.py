@@ -75,6 +75,7 @@ def run_cached_pass(
     cache_dir: Path,
     world_size: int,
     recompute: bool = False,
+    response_only: bool = False,
     label: str = "",
 ) -> CachedPass:
     """Embed the samples ``sample_ids`` of the instruction table ``table`` (training split)
@@ -93,6 +94,7 @@ def run_cached_pass(
         cache_dir: the cache folder (:func:`pass_cache_key`).
         world_size: ranks over all torchrun agents.
         recompute: embed every sample again and replace the cache once the pass finished.
+        response_only: ifd's unconditioned pass (``EmbedJob.response_only``).
         label: prefixes the log lines (empty for the pool).
 
     Raises:
@@ -116,6 +118,7 @@ def run_cached_pass(
                 instructions_version=table.version,
                 chunk_dir=str(todo.pass_dir),
                 sample_ids_file=str(todo.ids_file),
+                response_only=response_only,
             )
             job_file = job.dump(todo.pass_dir / "embed_job.json")
             nproc = world_size // torchrun.agents

@@ -1,6 +1,7 @@
-"""The selectors with passes of their own (rds: the target set) run through the assets on a
-tiny random model and the 60-sample dataset: the pass is cached per sample, the subset is dealt
-into random balanced shards with weight 1, and the cost record counts every forward pass."""
+"""The selectors with passes of their own (rds: the target set; ifd: the responses without
+their prompts) run through the assets on a tiny random model and the 60-sample dataset: the
+pass is cached per sample, the subset is dealt into random balanced shards with weight 1, and
+the cost record counts every forward pass."""
 
 from collections import Counter
 
@@ -103,3 +104,59 @@ def test_rds_selects_towards_a_target_folder_through_the_assets(
         )
         assert not bad.success
         assert "nor an existing folder" in step_failure(bad)[0]
+
+
+@pytest.mark.slow
+def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(tiny_data_dir, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster_pipeline.data.tokenization import encode_sample, generation_header, response_only
+
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assets = [*CHAIN, *SELECTION]
+        result = dg.materialize(
+            assets,
+            partition_key="tiny",
+            instance=instance,
+            resources=res,
+            # Two ranks: the unconditioned pass runs data-parallel, as the pool pass did.
+            run_config=run_config_for(
+                assets,
+                proxy_embeddings={"world_size": 2},
+                peripheral_subsets={"selector": "ifd"},
+            ),
+        )
+        assert result.success
+        subsets = read(instance, "peripheral_subsets")
+        emb = read(instance, "proxy_embeddings").select("sample_id", "mean_loss")
+        n = subsets.height
+        m = meta(instance, "peripheral_subsets")
+        assert [p["name"] for p in m["selection_passes"]] == ["embedding", "unconditioned"]
+        assert m["forward_passes"] == 2 * n and m["backward_passes"] == 0
+        assert m["selection_passes"][1]["run_now"] == n
+        # The kept samples are the most difficult of those with IFD < 1 (a prefix of the order).
+        kept = subsets.filter(pl.col("selected"))["score"].to_numpy()
+        left = subsets.filter(~pl.col("selected") & (pl.col("score") < 1))["score"].to_numpy()
+        assert kept.max() < 1 and (len(left) == 0 or kept.min() >= left.max())
+        assert (read(instance, "shard_manifests")["weight"] == 1.0).all()
+
+        # IFD of the first-ranked sample by hand: both losses from the model directly.
+        top = subsets.sort("selection_rank").row(0, named=True)
+        raw = read(instance, "raw_instructions").filter(pl.col("sample_id") == top["sample_id"])
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        row = raw.row(0, named=True)
+        sample = encode_sample(tokenizer, row["system"], row["prompt"], row["response"], 64)
+        alone = response_only(sample, tokenizer, generation_header(tokenizer))
+
+        def loss(s):
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]))
+            return float(out.loss)
+
+        conditioned = emb.filter(pl.col("sample_id") == top["sample_id"])["mean_loss"][0]
+        assert conditioned == pytest.approx(loss(sample), rel=1e-4)
+        assert top["score"] == pytest.approx(loss(sample) / loss(alone), rel=1e-4)

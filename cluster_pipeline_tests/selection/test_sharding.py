@@ -43,6 +43,9 @@ def test_allocation_properties(clustering, selector, r):
         sq_distance=dist,
         hidden_mean=l2_normalise(rng.normal(size=(len(labels), 4)).astype(np.float32)),
         targets=l2_normalise(rng.normal(size=(3, 4)).astype(np.float32)),
+        # Every IFD below 1, so ifd keeps its whole budget.
+        mean_loss=rng.uniform(0.1, 1.0, len(labels)),
+        unconditioned_loss=rng.uniform(1.0, 2.0, len(labels)),
     )
     sel = run_selector(selector, inputs, SelectionParams(r, seed))
     alloc = allocate("ds", ids, labels, sel, k, seed)

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.selection.selectors import global_random, peripheral, rds
+from cluster_pipeline.selection.selectors import global_random, ifd, peripheral, rds
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
     PASS_TARGETS,
+    PASS_UNCONDITIONED,
     PassCost,
     SelectionCost,
     SelectionInputs,
@@ -76,7 +77,7 @@ REGISTRY: dict[str, SelectorSpec] = {
             passes=(PASS_EMBEDDING,),
             clustered=True,
             reweighted=True,
-            source="Kim et al., CluSTER, section 3.2",
+            source="Kim et al., CluSTER",
         ),
         SelectorSpec(
             "core",
@@ -117,6 +118,16 @@ REGISTRY: dict[str, SelectorSpec] = {
             "all data",
             global_random.full,
             source="full-data training",
+        ),
+        SelectorSpec(
+            "ifd",
+            "Cherry LLM's instruction-following difficulty, loss(response | prompt) / "
+            "loss(response alone), highest first among samples below 1 (one extra forward pass "
+            "without the prompt)",
+            ifd.ifd,
+            needs=("mean_loss", "unconditioned_loss"),
+            passes=(PASS_EMBEDDING, PASS_UNCONDITIONED),
+            source="Li et al. 2024, From Quantity to Quality (Cherry LLM)",
         ),
         SelectorSpec(
             "rds",

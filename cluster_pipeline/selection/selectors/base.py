@@ -216,7 +216,7 @@ class SelectorSpec:
         clustered: its subset keeps the clusters (cluster c trains on rank c); otherwise the
             subset is dealt into random balanced shards (selection/sharding.py).
         reweighted: rank c's loss is weighted by w_c (step 5).
-        source: where its rule comes from (paper, section).
+        source: where its rule comes from (the paper).
     """
 
     name: str

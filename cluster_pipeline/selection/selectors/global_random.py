@@ -1,4 +1,4 @@
-"""The unclustered baselines (docs/design.md, step 3; CluSTER, Kim et al., section 4: the
+"""The unclustered baselines (docs/design.md, step 3; CluSTER, Kim et al.: the
 random baseline and full-data training): clusters are ignored, the subset is dealt into random
 balanced shards with weight 1 (selection/sharding.py).
 

@@ -1,4 +1,4 @@
-"""The cluster selectors (docs/design.md, steps 3 and 3b; CluSTER, Kim et al., section 3):
+"""The cluster selectors (docs/design.md, steps 3 and 3b; CluSTER, Kim et al.):
 every cluster keeps the same budget of its own samples, cluster c trains on rank c.
 
 With clusters of sizes n_c (after the capacity step) and m = min_c n_c, every cluster keeps

@@ -1,5 +1,5 @@
 """``rds``: representation-based selection towards a target set, RDS+ (Ivison et al. 2025,
-*Large-Scale Data Selection for Instruction Tuning*, arXiv 2503.01807, sections 2-3).
+*Large-Scale Data Selection for Instruction Tuning*, arXiv 2503.01807).
 
 Every pool sample i and every target sample j (a benchmark's prompts with reference solutions,
 or a user's folder; ``evaluation/targets.py``) is represented by the mean final hidden state
