@@ -100,13 +100,15 @@ dev: setup
 # training seed; full data ignores the ratio and takes about twice as long as r = 0.5.
 SELECTORS ?= random_global core
 RATIOS ?= 0.5
+# The target set of rds (a benchmark name or a folder), when SELECTORS lists it.
+RDS_TARGET ?=
 SEEDS ?= 0
 COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
 compare: setup
 	$(INSTANCE)
 	for sel in $(SELECTORS); do for ratio in $(RATIOS); do for seed in $(SEEDS); do \
 		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) --ratio $$ratio \
-			--profile $(PROFILE) > .compare_config.yaml && \
+			--profile $(PROFILE) $(if $(RDS_TARGET),--target $(RDS_TARGET)) > .compare_config.yaml && \
 		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
 			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
 	done; done; done

@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="selection ratio r (default: the profile's; full data uses 1)",
     )
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="size profile")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target set of a targeted selector (rds): a benchmark name or a folder",
+    )
 
 
 def compare_config(
@@ -40,9 +45,11 @@ def compare_config(
     assets: list[str],
     ratio: float | None = None,
     profile: str | None = None,
+    target: str | None = None,
 ) -> dict:
     """The run config of one selector x ratio x seed (see the module docstring): the seed is
-    both the selection seed and the training seed (data order).
+    both the selection seed and the training seed (data order); ``target``: the target set of
+    a targeted selector (rds).
 
     Raises:
         UnknownProfileError: ``profile`` is not a known size profile.
@@ -57,6 +64,8 @@ def compare_config(
             subsets["ratio"] = 1.0
         elif ratio is not None:
             subsets["ratio"] = ratio
+        if target is not None:
+            subsets["target"] = target
         ops[PERIPHERAL_SUBSETS] = {"config": subsets}
     if TRAINED_CHECKPOINT in ops:
         ops[TRAINED_CHECKPOINT] = {"config": {**ops[TRAINED_CHECKPOINT]["config"], "seed": seed}}
@@ -69,7 +78,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     try:
         config = compare_config(
-            args.selector, args.seed, asset_list(args.assets) or [], args.ratio, args.profile
+            args.selector,
+            args.seed,
+            asset_list(args.assets) or [],
+            args.ratio,
+            args.profile,
+            args.target,
         )
         check_run_config(config)  # refuse a bad ratio or seed now, not inside the run
     except ValueError as e:  # an unknown profile, a value outside its bounds

@@ -542,6 +542,58 @@ def encode_rows(tokenizer, frame, settings: SequenceSettings) -> list[EncodedSam
     return out
 
 
+def generation_header(tokenizer) -> list[int]:
+    """The ids a chat template writes to open an assistant turn (its generation prompt, e.g.
+    ChatML's ``<|im_start|>assistant`` and a newline): what rendering a user turn with
+    ``add_generation_prompt=True`` adds to rendering it without. [] without a chat template.
+
+    Raises:
+        ChatTemplateError: the rendering with the generation prompt does not extend the one
+            without.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    turn = [{"role": "user", "content": "x"}]
+    opened = _render(tokenizer, turn, add_generation_prompt=True)
+    closed = _render(tokenizer, turn, add_generation_prompt=False)
+    if not opened.startswith(closed):
+        raise ChatTemplateError(
+            "the chat template's generation prompt does not extend the conversation, so the "
+            "assistant turn's opening cannot be found"
+        )
+    return tokenizer(opened[len(closed) :], add_special_tokens=False)["input_ids"]
+
+
+def response_only(sample: EncodedSample, tokenizer, header: list[int]) -> EncodedSample:
+    """The sample's trained tokens without their prompt: the unconditioned input of IFD (Li et
+    al. 2024; ``selection/selectors/ifd.py``). The response tokens are exactly those of
+    ``sample`` (same truncation, same T; the trained turns concatenated for a multi-turn
+    sample), preceded by the sample's BOS when it opens with one and by ``header`` (the
+    template's assistant opening, :func:`generation_header`), so the first response token is
+    predicted from the assistant part of the template, as in the prompted sample, with no
+    question before it. Without BOS and header (a template-less tokenizer with no BOS), EOS
+    opens the input, as GPT-2 style models begin a document. A sample with a ``skip_reason``,
+    or with no prompt at all (a ``text`` record: its first token is trained), is returned as it
+    is: it has no instruction to leave out (its IFD is 1).
+    """
+    if sample.skip_reason is not None or sample.labels[0] != IGNORE_INDEX:
+        return sample
+    bos = tokenizer.bos_token_id
+    start = [sample.input_ids[0]] if bos is not None and sample.input_ids[0] == bos else []
+    prefix = [*start, *header]
+    if not prefix and tokenizer.eos_token_id is not None:
+        prefix = [tokenizer.eos_token_id]
+    trained = [t for t in sample.labels if t != IGNORE_INDEX]
+    return EncodedSample(
+        input_ids=[*prefix, *trained],
+        labels=[IGNORE_INDEX] * len(prefix) + trained,
+        n_response_tokens=len(trained),
+        truncated=sample.truncated,
+        prompt_tokens_cut=sample.prompt_tokens_cut,
+        response_tokens_cut=sample.response_tokens_cut,
+    )
+
+
 def render_texts(tokenizer, system: str, prompt: str, response: str) -> tuple[str, str]:
     """(prompt text, response text) of a single exchange as the model sees them, without
     :func:`sequence_start` ids.

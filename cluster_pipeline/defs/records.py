@@ -171,6 +171,9 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     world_size: int
     mean_loss: float
     base_model: str
+    # The pass's EmbedSettings: the selectors' own passes (rds's targets, ifd's unconditioned
+    # losses) run under the same ones.
+    embed_settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,8 +225,8 @@ class PeripheralSubsetsRecord(SelectionRecord):
     selected_samples: int
     data_fraction: float
     cluster_weights: list[float]
-    # samples or tokens (selection/selectors.py); the token budget per cluster under token balance;
-    # what each cluster kept (copies counted).
+    # samples or tokens (selection/selectors/base.py); the token budget per cluster under token
+    # balance; what each cluster kept (copies counted).
     balance: str = "samples"
     token_budget: int | None = None
     samples_per_cluster: list[int] = field(default_factory=list)
@@ -232,6 +235,16 @@ class PeripheralSubsetsRecord(SelectionRecord):
     # evaluation/statistics.gradient_diversity. The pool's, for scale.
     gradient_diversity: float = float("nan")
     pool_gradient_diversity: float = float("nan")
+    # The selector's cost record (selection/selectors/base.py, SelectionCost): its own seconds,
+    # the per-sample forward and backward passes of the model passes its inputs needed, and
+    # those passes (name, samples, tokens, seconds at the measured rate, backward, run_now).
+    selector_seconds: float = 0.0
+    forward_passes: int = 0
+    backward_passes: int = 0
+    selection_passes: list[dict[str, Any]] = field(default_factory=list)
+    # A targeted selector's (rds) target set: its name or folder, and its embedded samples.
+    selection_target: str | None = None
+    selection_target_samples: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,11 @@ span stages or need the data and the base model:
 - each ``max_length`` (``proxy_embeddings``, ``trained_checkpoint``, ``eval_report``) at least
   what the base model's chat template writes before an answer, plus one token
   (:func:`~cluster_pipeline.data.tokenization.min_prompted_length`); the three may differ
-  (training on shorter sequences than were embedded is allowed).
+  (training on shorter sequences than were embedded is allowed);
+- a targeted selector (``peripheral_subsets.selector: rds``) with a ``target`` that names a
+  benchmark whose file is found or an existing folder
+  (:func:`~cluster_pipeline.evaluation.targets.target_problem`; the file is looked for only
+  where the run's worker knows the data folder).
 
 A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined by ``; ``.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -37,9 +42,11 @@ from cluster_pipeline.defs.records import (
     latest_record,
 )
 from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
+from cluster_pipeline.evaluation.targets import target_problem
 from cluster_pipeline.models.loading import local_model
+from cluster_pipeline.selection.selectors import needs_targets
 from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
-from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
 
 
 def stage_configs() -> dict[str, type[dg.Config]]:
@@ -79,7 +86,8 @@ class RunFacts:
     ``train_samples`` / ``heldout_samples``: of the dataset's latest ``raw_instructions``;
     ``text_records``: whether it holds prompt-less ``text`` records (they fit any length);
     ``min_length``: :func:`~cluster_pipeline.data.tokenization.min_prompted_length` of the base
-    model ``model``; ``agents``: torchrun agents (nodes) ranks are split over.
+    model ``model``; ``agents``: torchrun agents (nodes) ranks are split over;
+    ``eval_folders``: where a target set's benchmark file is looked for.
     """
 
     dataset: str | None = None
@@ -89,6 +97,8 @@ class RunFacts:
     min_length: int | None = None
     model: str = ""
     agents: int = 1
+    # Where benchmark files are looked for (a target set's); empty: not checked.
+    eval_folders: tuple[Path, ...] = ()
 
 
 def _value(value: Any) -> str:
@@ -160,6 +170,11 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
             f"proxy_embeddings.world_size = {embed.world_size}: must be a multiple "
             f"of the {facts.agents} torchrun agents (resources.torchrun nnodes)"
         )
+    subsets = configs.get("peripheral_subsets")
+    if subsets is not None and needs_targets(subsets.selector):
+        problem = target_problem(subsets.target, facts.eval_folders or None)
+        if problem is not None:
+            problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
     if "eval_report" in configs and raw is not None and raw.heldout_fraction == 0:
         problems.append(
             f"raw_instructions.heldout_fraction = {raw.heldout_fraction}: "
@@ -252,6 +267,7 @@ def run_facts(
         min_length=min_length,
         model=model,
         agents=torchrun.agents,
+        eval_folders=(layout.eval_dir, SHARED_EVAL_DIR),
     )
 
 

@@ -83,9 +83,9 @@ def setup_values(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
-    """The base model, then each checkpoint named by selector, ratio and its training /
-    selection seeds. Checkpoints written before provenance was recorded keep their folder
-    name as their group.
+    """The base model, then each checkpoint named by selector, ratio (and target set, for a
+    targeted selector: ``rds r=0.5 target=humaneval``) and its training / selection seeds.
+    Checkpoints written before provenance was recorded keep their folder name as their group.
 
     Checkpoints whose setups (:func:`setup_values`) differ, say in ``lora_r``, ``max_steps``,
     ``reweight`` or the capacity slack ``alpha``, are different setups, not seeds of one: each
@@ -105,8 +105,9 @@ def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEn
         prov = ckpt.provenance
         shown = {k: setup[k] for k in varying if k in setup}
         label = ", ".join(f"{k}={'unrecorded' if v is None else v}" for k, v in shown.items())
+        target = f" target={prov['selection_target']}" if prov.get("selection_target") else ""
         group = (
-            f"{prov['selector']} r={prov.get('ratio')}"
+            f"{prov['selector']} r={prov.get('ratio')}{target}"
             if "selector" in prov
             else f"checkpoint {ckpt.path.name}"
         ) + (f" ({label})" if label else "")

@@ -315,7 +315,8 @@ def mmlu_items(records: list[dict]) -> ItemScores:
     )
 
 
-def _code_request(problem: CodeProblem) -> list[dict[str, str]]:
+def code_request(problem: CodeProblem) -> list[dict[str, str]]:
+    """The chat messages that ask a model to complete ``problem``'s function (one user turn)."""
     return [
         {
             "role": "user",
@@ -332,7 +333,7 @@ def code_prompt(tokenizer, problem: CodeProblem) -> str:
     tokenizer has a chat template, else the raw prompt."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
-            _code_request(problem), tokenize=False, add_generation_prompt=True
+            code_request(problem), tokenize=False, add_generation_prompt=True
         )
     return problem.prompt
 
@@ -352,7 +353,7 @@ def encode_solution(tokenizer, problem: CodeProblem, max_length: int) -> Encoded
     opening = f"```python\n{problem.prompt}"
     prefix = code_prompt(tokenizer, problem) + opening
     answer = {"role": "assistant", "content": f"{opening}{problem.solution}```"}
-    full = tokenizer.apply_chat_template([*_code_request(problem), answer], tokenize=False)
+    full = tokenizer.apply_chat_template([*code_request(problem), answer], tokenize=False)
     if not full.startswith(prefix):
         raise ChatTemplateError(
             "the chat template does not render the assistant answer right "

@@ -6,6 +6,7 @@ PROXY_EMBEDDINGS = "proxy_embeddings"
 BALANCED_CLUSTERS = "balanced_clusters"
 CLUSTER_CENTROIDS = "cluster_centroids"  # written by balanced_clusters
 PERIPHERAL_SUBSETS = "peripheral_subsets"
+SELECTION_TARGETS = "selection_targets"  # written by peripheral_subsets (rds's target set)
 SHARD_MANIFESTS = "shard_manifests"
 TRAINED_CHECKPOINT = "trained_checkpoint"
 EVAL_REPORT = "eval_report"

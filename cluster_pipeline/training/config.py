@@ -57,6 +57,9 @@ class EmbedJob(JobFile):
     # A Parquet file with a sample_id column: embed only those samples of the split (the ones
     # the per-sample cache lacks); None = the whole split.
     sample_ids_file: str | None = None
+    # ifd's unconditioned pass (data/tokenization.response_only): each sample's response tokens
+    # without its prompt, so ``mean_loss`` is the response's loss alone.
+    response_only: bool = False
     lm_head_chunk_rows: int = Field(default=1024, ge=1)
     progress_every_s: float = Field(default=5.0, gt=0)
 

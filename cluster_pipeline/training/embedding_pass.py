@@ -16,7 +16,8 @@ import torch
 
 from cluster_pipeline.data.datasets import EMBEDDING_COLUMNS, read_instructions
 from cluster_pipeline.data.packing import can_pack
-from cluster_pipeline.data.tokenization import encode_rows
+from cluster_pipeline.data.tokenization import encode_rows, generation_header
+from cluster_pipeline.data.tokenization import response_only as without_prompt
 from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.models.loading import load_model_and_tokenizer
 from cluster_pipeline.selection.embedding import embed_samples
@@ -45,14 +46,21 @@ def embed_frame(
     settings: EmbedSettings,
     lm_head_chunk_rows: int = 1024,
     on_batch=None,
+    response_only: bool = False,
 ) -> pl.DataFrame:
     """Embed every sample of ``frame`` (columns sample_id, system, prompt, response, and
     optionally messages), encoded under ``settings`` (max_length, truncation, response_turns).
+    ``response_only``: each sample's response tokens without its prompt
+    (:func:`~cluster_pipeline.data.tokenization.response_only`, ifd's unconditioned pass), so
+    ``mean_loss`` is the loss of the response alone over the same tokens.
 
     Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
     response token get a ``skip_reason`` and a null embedding.
     """
     encoded = encode_rows(tokenizer, frame, settings)
+    if response_only:
+        header = generation_header(tokenizer)
+        encoded = [without_prompt(e, tokenizer, header) for e in encoded]
     n = len(encoded)
     out, _ = embed_samples(
         model,
@@ -151,7 +159,9 @@ def run_pass(job: EmbedJob, env, report) -> None:
         )
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
-        out = embed_frame(model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch)
+        out = embed_frame(
+            model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch, job.response_only
+        )
         target = chunk_path(chunk_dir, i)
         tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)

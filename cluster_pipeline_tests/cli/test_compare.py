@@ -24,6 +24,14 @@ def test_seed_is_the_selection_and_the_training_seed_and_ratio_is_set():
     assert set(cfg) == {"peripheral_subsets", "trained_checkpoint"}  # shard_manifests: defaults
 
 
+def test_a_targeted_selector_gets_its_target_set_and_is_refused_without_one(capsys):
+    cfg = compare_config("rds", 0, ASSETS, target="humaneval")["ops"]["peripheral_subsets"]
+    assert cfg["config"]["selector"] == "rds" and cfg["config"]["target"] == "humaneval"
+    with pytest.raises(SystemExit) as e:
+        main(["compare-config", "rds", "0", "peripheral_subsets"])
+    assert e.value.code == 2 and "rds needs a target set" in capsys.readouterr().err
+
+
 def test_full_data_ignores_the_ratio_and_the_default_ratio_is_the_main_jobs():
     assert (
         compare_config("full", 0, ASSETS, ratio=0.25)["ops"]["peripheral_subsets"]["config"][

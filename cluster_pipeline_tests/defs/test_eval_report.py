@@ -323,3 +323,27 @@ def test_checkpoints_of_other_training_setups_are_groups_of_their_own():
     # One setup only: the names are as before, without a suffix.
     same = model_entries("base_model", [ckpt("a", "peripheral", 0), ckpt("b", "peripheral", 1)])
     assert [e.group for e in same] == ["base", "peripheral r=0.5", "peripheral r=0.5"]
+
+
+def test_a_targeted_selector_is_named_with_its_target_set():
+    from cluster_pipeline.evaluation.report import model_entries
+    from cluster_pipeline.training.checkpointing import Checkpoint
+
+    def ckpt(name, selector, **provenance):
+        prov = {"selector": selector, "ratio": 0.5, "selection_seed": 0, **provenance}
+        return Checkpoint(Path(name), {"config": {"settings": {"seed": 0}, "provenance": prov}})
+
+    entries = model_entries(
+        "base_model",
+        [
+            ckpt("a", "rds", selection_target="humaneval"),
+            ckpt("b", "rds", selection_target="mmlu_medical"),
+            ckpt("c", "peripheral"),
+        ],
+    )
+    assert [e.group for e in entries] == [
+        "base",
+        "rds r=0.5 target=humaneval",
+        "rds r=0.5 target=mmlu_medical",
+        "peripheral r=0.5",
+    ]

@@ -2,12 +2,15 @@
 ``<stage>.<knob> = <value>: <rule>``: bounds the Dagster schema cannot carry, and the rules
 across stages, the data and the base model's chat template."""
 
+from pathlib import Path
+
 import pytest
 
 from cluster_pipeline.data.tokenization import encode_conversation, min_prompted_length
 from cluster_pipeline.defs.profiles import PROFILES, profile_run_config
 from cluster_pipeline.defs.run_checks import ConfigRefused, RunFacts, check_stages
 from cluster_pipeline.defs.stages import STAGES
+from cluster_pipeline.selection.selectors import SELECTORS
 
 
 def _config(stage: str, **knobs) -> dict:
@@ -21,8 +24,10 @@ BOUNDS = [
     (
         "peripheral_subsets",
         {"selector": "periphral"},
-        "selector = 'periphral': Input should be 'peripheral', 'core', 'random', 'uniform', "
-        "'random_global' or 'full'",
+        # Pydantic lists the registry's selectors.
+        "selector = 'periphral': Input should be "
+        + ", ".join(repr(name) for name in SELECTORS[:-1])
+        + f" or {SELECTORS[-1]!r}",
     ),
     ("peripheral_subsets", {"seed": -1}, "seed = -1: Input should be greater than or equal to 0"),
     (
@@ -109,7 +114,8 @@ BOUNDS = [
     (
         "peripheral_subsets",
         {"ratoi": 0.5},
-        "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance",
+        "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance, "
+        "target, target_size",
     ),
 ]
 
@@ -173,6 +179,27 @@ RULES = [
         "balanced_clusters.num_clusters = 3: K training ranks must split evenly over the 2 "
         "torchrun agents (resources.torchrun nnodes)",
     ),
+    (  # A targeted selector without its target set, refused before the embedding pass.
+        {"peripheral_subsets": {"selector": "rds"}},
+        STAGES,
+        RunFacts(),
+        "peripheral_subsets.target = None: rds needs a target set: a benchmark (humaneval, "
+        "mbpp, mmlu, mmlu_medical) or a folder of samples",
+    ),
+    (
+        {"peripheral_subsets": {"selector": "rds", "target": "/no/such/folder"}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.target = '/no/such/folder': neither a benchmark (humaneval, mbpp, "
+        "mmlu, mmlu_medical) nor an existing folder of samples; give an absolute path",
+    ),
+    (  # The benchmark's file is looked for where the run's worker knows the data folder.
+        {"peripheral_subsets": {"selector": "rds", "target": "mbpp"}},
+        ["peripheral_subsets"],
+        RunFacts(eval_folders=(Path("/no/eval"),)),
+        "peripheral_subsets.target = 'mbpp': benchmark 'mbpp' reads mbpp_reworded.json, found "
+        "in none of /no/eval",
+    ),
     (
         {"proxy_embeddings": {"max_length": 8}, "eval_report": {"max_length": 12}},
         STAGES,
@@ -209,6 +236,11 @@ def test_what_the_rules_allow():
         ["proxy_embeddings"],
         RunFacts(min_length=16, text_records=True),
     )
+    # A target set that is a benchmark shipped in a package, or a folder; the target of a
+    # selector that reads none is not checked.
+    for target in ("humaneval", "/"):
+        check_stages(_config("peripheral_subsets", selector="rds", target=target), STAGES)
+    check_stages(_config("peripheral_subsets", target="/no/such/folder"), STAGES)
     # Stages outside the run are not checked by the rules (nor their absent config).
     check_stages(_config("balanced_clusters", num_clusters=100), ["proxy_embeddings"])
 

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster_pipeline.selection.selectors import SELECTORS, select
+from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.selectors import (
+    REGISTRY,
+    SELECTORS,
+    SelectionInputs,
+    SelectionParams,
+    run_selector,
+    select,
+)
 from cluster_pipeline.selection.sharding import ShardManifest, allocate, check_allocation
 
 
@@ -27,7 +35,19 @@ def clusterings(draw):
 def test_allocation_properties(clustering, selector, r):
     k, labels, dist, seed = clustering
     ids = np.array([f"s{i:04d}" for i in range(len(labels))])
-    sel = select(labels, dist, k, selector, r, seed)
+    # Every registered selector, with random inputs for those that read more than distances.
+    rng = np.random.default_rng(seed + 2)
+    inputs = SelectionInputs(
+        labels,
+        k,
+        sq_distance=dist,
+        hidden_mean=l2_normalise(rng.normal(size=(len(labels), 4)).astype(np.float32)),
+        targets=l2_normalise(rng.normal(size=(3, 4)).astype(np.float32)),
+        # Every IFD below 1, so ifd keeps its whole budget.
+        mean_loss=rng.uniform(0.1, 1.0, len(labels)),
+        unconditioned_loss=rng.uniform(1.0, 2.0, len(labels)),
+    )
+    sel = run_selector(selector, inputs, SelectionParams(r, seed))
     alloc = allocate("ds", ids, labels, sel, k, seed)
     ms = alloc.manifests
     # Every shard has the same count.
@@ -43,11 +63,11 @@ def test_allocation_properties(clustering, selector, r):
     # Clustered selectors: rank c holds only cluster c; weights follow n_c K / N.
     n_c = np.bincount(labels, minlength=k)
     for m in ms:
-        if selector in ("peripheral", "core", "random"):
+        if REGISTRY[selector].reweighted:
             assert m.weight == pytest.approx(n_c[m.rank] * k / len(labels))
         else:
             assert m.weight == 1.0
-        if selector in ("peripheral", "core", "random", "uniform"):
+        if REGISTRY[selector].clustered:
             idx = np.searchsorted(ids, list(m.sample_ids))
             assert (labels[idx] == m.rank).all()
     assert all(ok for ok, _ in check_allocation(ms, ids, labels, sel, alloc.dropped).values())

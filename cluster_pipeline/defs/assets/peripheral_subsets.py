@@ -12,12 +12,21 @@ from cluster_pipeline.defs.records import (
     PeripheralSubsetsRecord,
     read_record,
 )
-from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
+from cluster_pipeline.defs.selection_inputs import gather_inputs
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
 from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
-from cluster_pipeline.selection.selectors import Balance, Selector, per_cluster_summary, select
+from cluster_pipeline.selection.selectors import (
+    Balance,
+    SelectionParams,
+    Selector,
+    describe,
+    per_cluster_summary,
+    run_selector,
+)
+from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import markdown_preview, write_table
 
@@ -25,12 +34,7 @@ from cluster_pipeline.storage.tables import markdown_preview, write_table
 class PeripheralSubsetsConfig(dg.Config):
     """The selection knobs of a run: selector, ratio r, balance and seed."""
 
-    selector: Selector = Field(
-        default="peripheral",
-        description="peripheral = farthest from centroid (CluSTER); core = nearest; random = "
-        "within cluster; uniform = oversample every cluster to the largest; random_global = "
-        "same budget without clusters; full = all data.",
-    )
+    selector: Selector = Field(default="peripheral", description=describe())
     ratio: float = Field(
         default=0.5,
         gt=0.0,
@@ -46,17 +50,36 @@ class PeripheralSubsetsConfig(dg.Config):
         "rank c's weight is K R_c / R (R_c the cluster's response tokens). samples = the "
         "published rule: floor(r x the smallest cluster's size) samples each, w_c = n_c K / N.",
     )
+    target: str | None = Field(
+        default=None,
+        description="rds only: the target set to select towards: a benchmark of "
+        "evaluation/suites.py (humaneval, mbpp, mmlu, mmlu_medical; its prompts with reference "
+        "solutions, read from data/eval/ like eval_report's) or the absolute path of a folder "
+        "of samples in any input form.",
+    )
+    target_size: int = Field(
+        default=64,
+        ge=1,
+        description="rds only: at most this many target samples (a benchmark's first N items, "
+        "a folder's first N distinct samples).",
+    )
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
 @stage_asset("selection", deps=[BALANCED_CLUSTERS, PROXY_EMBEDDINGS], kinds={"polars", "deltalake"})
 def peripheral_subsets(
-    context: dg.AssetExecutionContext, config: PeripheralSubsetsConfig, storage: StorageResource
+    context: dg.AssetExecutionContext,
+    config: PeripheralSubsetsConfig,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     """One row per clustered sample: ``selection_rank`` (0 = first chosen within its cluster by
-    the selector), ``selected``, ``copies`` (times trained per epoch; > 1 only for uniform
-    oversampling) and ``weight`` w_c = n_c K / N of its cluster (1 for selectors without
-    re-weighting). docs/design.md, steps 3 and 5.
+    a cluster selector, in the whole pool by the others), ``selected``, ``copies`` (times
+    trained per epoch; > 1 only for uniform oversampling), ``weight`` w_c = n_c K / N of its
+    cluster (1 for selectors without re-weighting) and ``score``, what the selector ranks by
+    (null for the random orders). The metadata holds the selector's cost: its seconds and the
+    forward/backward passes of the model passes it needed. docs/design.md, steps 3 and 5.
     """
     dataset = context.partition_key
     start = time.perf_counter()
@@ -68,25 +91,30 @@ def peripheral_subsets(
         how="left",
         maintain_order="left",
     )
+    gathered = gather_inputs(
+        context,
+        config.selector,
+        config.target,
+        config.target_size,
+        storage,
+        torchrun,
+        pipes_subprocess_client,
+        clusters,
+        frame,
+    )
+    params = SelectionParams(config.ratio, config.seed, config.balance)
     try:
-        result = select(
-            frame["cluster"].to_numpy(),
-            frame["sq_distance"].to_numpy(),
-            clusters.num_clusters,
-            config.selector,
-            config.ratio,
-            config.seed,
-            balance=config.balance,
-            lengths=frame["n_tokens"].to_numpy(),
-            response_tokens=frame["n_response_tokens"].to_numpy(),
-        )
+        result = run_selector(config.selector, gathered.inputs, params)
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
+    cost, score = result.cost, result.score
+    assert cost is not None and score is not None  # run_selector records both
     frame = frame.with_columns(
         pl.Series("selection_rank", result.selection_rank),
         pl.Series("selected", result.selected),
         pl.Series("copies", result.copies),
         pl.Series("weight", result.weight),
+        pl.Series("score", score, dtype=pl.Float64).fill_nan(None),
     )
     table = write_table(
         frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
@@ -120,13 +148,22 @@ def peripheral_subsets(
         f"of {frame.height} samples ({100 * result.data_fraction:.1f}%); per cluster "
         f"{kept['samples'].to_list()} samples, {kept['tokens'].to_list()} tokens; weights "
         f"{[round(float(w), 4) for w in result.cluster_weights]}; gradient diversity "
-        f"{diversity:.4f} (pool {pool_diversity:.4f})"
+        f"{diversity:.4f} (pool {pool_diversity:.4f}); cost {cost.seconds:.3f} s and "
+        f"{cost.forward_passes} forward / {cost.backward_passes} backward passes "
+        f"({', '.join(p.name for p in cost.passes) or 'no model pass'})"
     )
     record = PeripheralSubsetsRecord(
         table=table,
-        inputs=clusters.lineage(),
+        inputs={**clusters.lineage(), **gathered.tables},
         seconds=round(seconds, 3),
-        selection_seconds=round(clusters.selection_seconds + seconds, 2),
+        # A selector's own passes count at their measured rate, cached or run now.
+        selection_seconds=round(
+            clusters.selection_seconds
+            + seconds
+            - gathered.pass_wall_seconds
+            + sum(p.seconds for p in cost.passes if p.name != PASS_EMBEDDING),
+            2,
+        ),
         selector=config.selector,
         ratio=config.ratio,
         seed=config.seed,
@@ -141,6 +178,12 @@ def peripheral_subsets(
         tokens_per_cluster=kept["tokens"].to_list(),
         gradient_diversity=round(diversity, 6),
         pool_gradient_diversity=round(pool_diversity, 6),
+        selector_seconds=round(cost.seconds, 4),
+        forward_passes=cost.forward_passes,
+        backward_passes=cost.backward_passes,
+        selection_passes=[p.to_dict() for p in cost.passes],
+        selection_target=gathered.target,
+        selection_target_samples=gathered.target_samples,
     )
     map_png = plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], result.selected[rows])
     return dg.MaterializeResult(

@@ -7,24 +7,17 @@ import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.data.datasets import read_instructions
+from cluster_pipeline.defs.embedding_passes import pass_cache_key, run_cached_pass
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.run_checks import preflight
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.selection.embedding import assemble_table
-from cluster_pipeline.storage.embedding_cache import (
-    CacheUnreadable,
-    cache_key,
-    pending_pass,
-    pool_seconds,
-    read_cached,
-    store_pass,
-)
+from cluster_pipeline.storage.embedding_cache import CacheUnreadable, pool_seconds
 from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
-from cluster_pipeline.training.config import EmbedJob, EmbedSettings, settings_of
+from cluster_pipeline.training.config import EmbedSettings, settings_of
 from cluster_pipeline.training.embedding_pass import read_train_split
 
 
@@ -71,39 +64,23 @@ def proxy_embeddings(
     model_path = base_model.local_path(storage)
     # Before the model loads: rules the run's worker could not check without the model or N.
     preflight(context, layout, model_path, torchrun.agents, instructions)
-    key = cache_key(model_path, settings.cache_fields())
+    key = pass_cache_key(model_path, settings)
     cache_dir = layout.embedding_cache_dir(dataset, key)
     try:
-        todo = pending_pass(cache_dir, sample_ids, settings.chunk_size, config.recompute)
-        stats = {}
-        if todo is not None:
-            if not todo.finished:
-                context.log.info(
-                    f"embedding {len(todo.sample_ids)} of {len(sample_ids)} samples "
-                    f"({len(sample_ids) - len(todo.sample_ids)} cached under {cache_dir})"
-                )
-                job = EmbedJob(
-                    settings=settings,
-                    model_path=model_path,
-                    instructions_uri=instructions.table.uri,
-                    instructions_version=instructions.table.version,
-                    chunk_dir=str(todo.pass_dir),
-                    sample_ids_file=str(todo.ids_file),
-                )
-                job_file = job.dump(todo.pass_dir / "embed_job.json")
-                nproc = config.world_size // torchrun.agents
-                torchrun.run(context, pipes_subprocess_client, RECIPES["embed"], nproc, job_file)
-            if storage.guard is not None:
-                storage.guard.check(f"add the embedding pass to the cache {cache_dir}")
-            try:
-                stats = store_pass(
-                    cache_dir, todo.pass_dir, todo.sample_ids, settings.chunk_size, config.recompute
-                )
-            except ValueError as e:  # chunks that hold other samples
-                raise FileNotFoundError(str(e)) from e
-        else:
-            context.log.info(f"all {len(sample_ids)} samples cached under {cache_dir}")
-        result = assemble_table(read_cached(cache_dir, sample_ids))
+        done = run_cached_pass(
+            context,
+            storage,
+            torchrun,
+            pipes_subprocess_client,
+            table=instructions.table,
+            sample_ids=sample_ids,
+            model_path=model_path,
+            settings=settings,
+            cache_dir=cache_dir,
+            world_size=config.world_size,
+            recompute=config.recompute,
+        )
+        result = assemble_table(done.rows)
     except CacheUnreadable as e:
         raise dg.Failure(f"{dataset}: {e}") from e
     except FileNotFoundError as e:
@@ -114,6 +91,7 @@ def proxy_embeddings(
         result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset), guard=storage.guard
     )
     _log_outcome(context, result, instructions, settings, time.perf_counter() - start)
+    stats = done.stats
     pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
     record = ProxyEmbeddingsRecord(
         table=table,
@@ -125,13 +103,14 @@ def proxy_embeddings(
         truncated=result.truncated,
         hidden_size=result.hidden_size,
         cache_key=key,
-        samples_embedded_now=len(todo.sample_ids) if todo else 0,
-        samples_reused=len(sample_ids) - (len(todo.sample_ids) if todo else 0),
+        samples_embedded_now=done.embedded_now,
+        samples_reused=len(sample_ids) - done.embedded_now,
         embedding_seconds=round(pass_seconds, 2),
         tokens_per_second=round(pass_tokens / max(pass_seconds, 1e-9), 1),
         world_size=config.world_size,
         mean_loss=round(mean_of(result.frame["mean_loss"]), 4),
         base_model=model_path,
+        embed_settings=settings.model_dump(),
     )
     shown = ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"]
     return dg.MaterializeResult(

@@ -157,6 +157,8 @@ def _provenance(
         "pool_size": subsets.pool_size,
         "gradient_diversity": subsets.gradient_diversity,
         "selection_seconds": shards.selection_seconds,
+        # A targeted selector's target set (rds), which the report names in the group.
+        **({"selection_target": subsets.selection_target} if subsets.selection_target else {}),
         "training_seed": settings.seed,
         **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
     }

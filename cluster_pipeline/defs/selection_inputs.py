@@ -1,0 +1,236 @@
+"""What ``peripheral_subsets`` hands the chosen selector (selection/selectors/base.py,
+``SelectionInputs``): the clustering's columns, and only what the selector's registry entry
+says it needs beyond them: the pool's representations from the ``proxy_embeddings`` table the
+clustering read, and the outputs of the selector's own passes, run as the embedding pass runs
+(``embedding_passes``: torchrun, data-parallel over the pool pass's world size, cached per
+sample) under the pool pass's model and settings: the target set of ``rds``, the
+unconditioned pass of ``ifd`` (the pool's responses without their prompts). Everything that
+can be refused (a missing target set, a benchmark file not found, a pool pass recorded before
+its settings were) is refused before a pass starts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import dagster as dg
+import numpy as np
+import polars as pl
+
+from cluster_pipeline.defs.embedding_passes import CachedPass, pass_cache_key, run_cached_pass
+from cluster_pipeline.defs.records import (
+    BalancedClustersRecord,
+    ProxyEmbeddingsRecord,
+    pinned_record,
+)
+from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
+from cluster_pipeline.evaluation.targets import target_samples
+from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.selectors import REGISTRY, PassCost, SelectionInputs
+from cluster_pipeline.selection.selectors.base import (
+    PASS_EMBEDDING,
+    PASS_TARGETS,
+    PASS_UNCONDITIONED,
+)
+from cluster_pipeline.storage.embedding_cache import CacheUnreadable
+from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
+from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS, SELECTION_TARGETS
+from cluster_pipeline.storage.tables import TableRef, series_to_matrix, write_table
+from cluster_pipeline.training.config import EmbedSettings
+
+
+@dataclass(frozen=True)
+class GatheredInputs:
+    """The selector's inputs, plus what the record says about them: the target set's name and
+    its embedded samples (rds), the tables of the selector's own passes (added to the record's
+    ``inputs``), and the wall seconds those passes took in this run."""
+
+    inputs: SelectionInputs
+    target: str | None = None
+    target_samples: int = 0
+    tables: dict[str, TableRef] = field(default_factory=dict)
+    pass_wall_seconds: float = 0.0
+
+
+def _column(rows: pl.DataFrame, frame: pl.DataFrame, column: str) -> np.ndarray:
+    """(N,) float32 ``column`` of ``rows`` (keyed by sample_id) for ``frame``'s samples, in
+    its order (nan where null)."""
+    joined = frame.select("sample_id").join(rows, on="sample_id", how="left", maintain_order="left")
+    return joined[column].cast(pl.Float32).fill_null(float("nan")).to_numpy()
+
+
+def _pool_settings(pool: ProxyEmbeddingsRecord, dataset: str) -> EmbedSettings:
+    if not pool.embed_settings:
+        raise dg.Failure(
+            description=f"{dataset}: the proxy_embeddings materialization the clustering read "
+            "recorded no embedding settings (an older version of the pipeline), which the "
+            "selector's own pass must reuse; materialize proxy_embeddings again."
+        )
+    return EmbedSettings.model_validate(pool.embed_settings)
+
+
+def gather_inputs(
+    context: dg.AssetExecutionContext,
+    selector: str,
+    target: str | None,
+    target_size: int,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    clusters: BalancedClustersRecord,
+    frame: pl.DataFrame,
+) -> GatheredInputs:
+    """The inputs of ``selector`` for the clustered pool ``frame`` (columns sample_id, cluster,
+    sq_distance, n_tokens, n_response_tokens; table order), running its own passes.
+
+    Raises:
+        dagster.Failure: the target set cannot be read, its pass failed, or the pool pass
+            lacks what the selector needs (each message names the dataset).
+    """
+    spec = REGISTRY[selector]
+    embeddings = clusters.inputs[PROXY_EMBEDDINGS]
+    pool = pinned_record(context, ProxyEmbeddingsRecord, embeddings)
+    passes = [
+        PassCost(
+            PASS_EMBEDDING,
+            samples=frame.height,
+            tokens=int(frame["n_tokens"].sum()),
+            seconds=pool.selection_seconds,
+            run_now=pool.samples_embedded_now,
+        )
+    ]
+    hidden = mean_loss = unconditioned = None
+    if "hidden_mean" in spec.needs:
+        hidden = embeddings.vectors_for("hidden_mean_normalised", frame["sample_id"])
+    if "mean_loss" in spec.needs:
+        mean_loss = _column(embeddings.read(["sample_id", "mean_loss"]), frame, "mean_loss")
+    targets = None
+    start = time.perf_counter()
+    if PASS_TARGETS in spec.passes:
+        targets = _targets(
+            context, target, target_size, storage, torchrun, pipes_subprocess_client, pool
+        )
+        passes.append(targets.cost)
+    if PASS_UNCONDITIONED in spec.passes:
+        alone = _unconditioned(context, storage, torchrun, pipes_subprocess_client, pool, frame)
+        unconditioned = _column(alone.rows, frame, "mean_loss")
+        passes.append(alone.cost(PASS_UNCONDITIONED))
+    wall = time.perf_counter() - start
+    inputs = SelectionInputs(
+        labels=frame["cluster"].to_numpy(),
+        k=clusters.num_clusters,
+        sq_distance=frame["sq_distance"].to_numpy(),
+        lengths=frame["n_tokens"].to_numpy(),
+        response_tokens=frame["n_response_tokens"].to_numpy(),
+        hidden_mean=hidden,
+        mean_loss=mean_loss,
+        unconditioned_loss=unconditioned,
+        targets=targets.vectors if targets else None,
+        passes=tuple(passes),
+    )
+    if targets is None:
+        return GatheredInputs(inputs, pass_wall_seconds=wall)
+    return GatheredInputs(
+        inputs,
+        target=target,
+        target_samples=len(targets.vectors),
+        tables={SELECTION_TARGETS: targets.table},
+        pass_wall_seconds=wall,
+    )
+
+
+@dataclass(frozen=True)
+class _TargetSet:
+    """The target set's (M, d) float32 L2-normalised hidden_mean, its pass's cost, its table."""
+
+    vectors: np.ndarray
+    cost: PassCost
+    table: TableRef
+
+
+def _targets(
+    context: dg.AssetExecutionContext,
+    target: str | None,
+    target_size: int,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+) -> _TargetSet:
+    """Read the target set, embed it under the pool pass's model and settings (cached), and
+    return its representations."""
+    dataset, layout = context.partition_key, storage.layout
+    settings = _pool_settings(pool, dataset)
+    folders = [layout.eval_dir, SHARED_EVAL_DIR]
+    try:
+        frame = target_samples(target or "", target_size, folders)
+    except ValueError as e:  # DatasetFormatError is one
+        raise dg.Failure(description=f"{dataset}: peripheral_subsets.target: {e}") from e
+    table = write_table(frame, layout.table_uri(SELECTION_TARGETS, dataset), guard=storage.guard)
+    cache_dir = layout.embedding_cache_dir(
+        dataset, pass_cache_key(pool.base_model, settings, PASS_TARGETS)
+    )
+    try:
+        done = run_cached_pass(
+            context,
+            storage,
+            torchrun,
+            pipes_subprocess_client,
+            table=table,
+            sample_ids=frame["sample_id"].to_list(),
+            model_path=pool.base_model,
+            settings=settings,
+            cache_dir=cache_dir,
+            world_size=pool.world_size,
+            label=f"rds target set {target}",
+        )
+    except (CacheUnreadable, FileNotFoundError) as e:
+        raise dg.Failure(description=f"{dataset}: rds target set {target}: {e}") from e
+    kept = done.rows.filter(pl.col("skip_reason").is_null())
+    if kept.height == 0:
+        raise dg.Failure(
+            description=f"{dataset}: no sample of the rds target set {target} has a response "
+            f"token within max_length={settings.max_length}"
+        )
+    vectors = l2_normalise(series_to_matrix(kept["hidden_mean"]).astype(np.float32))
+    context.log.info(
+        f"rds target set {target}: {kept.height} of {frame.height} samples embedded "
+        f"({done.embedded_now} now)"
+    )
+    return _TargetSet(vectors, done.cost(PASS_TARGETS), table)
+
+
+def _unconditioned(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+    frame: pl.DataFrame,
+) -> CachedPass:
+    """The second pass of ``ifd``: every clustered sample's response without its prompt
+    (``EmbedJob.response_only``), read from the raw_instructions version the pool pass read,
+    under its model and settings, cached per sample; its ``mean_loss`` is s(A)."""
+    dataset, layout = context.partition_key, storage.layout
+    settings = _pool_settings(pool, dataset)
+    cache_dir = layout.embedding_cache_dir(
+        dataset, pass_cache_key(pool.base_model, settings, PASS_UNCONDITIONED)
+    )
+    try:
+        return run_cached_pass(
+            context,
+            storage,
+            torchrun,
+            pipes_subprocess_client,
+            table=pool.inputs[RAW_INSTRUCTIONS],
+            sample_ids=frame["sample_id"].to_list(),
+            model_path=pool.base_model,
+            settings=settings,
+            cache_dir=cache_dir,
+            world_size=pool.world_size,
+            response_only=True,
+            label="ifd unconditioned pass",
+        )
+    except (CacheUnreadable, FileNotFoundError) as e:
+        raise dg.Failure(description=f"{dataset}: ifd unconditioned pass: {e}") from e

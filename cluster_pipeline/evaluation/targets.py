@@ -1,0 +1,120 @@
+"""Target sets: the samples a targeted selector (``rds``) selects towards, as instruction
+samples the embedding pass can read.
+
+A target set is named by ``peripheral_subsets.target``:
+
+- a benchmark of :data:`~cluster_pipeline.evaluation.suites.SUITES`: its first
+  ``target_size`` items, each as one exchange written the way the evaluation asks it:
+  code problems (``humaneval``, ``mbpp``) as the user turn evaluation sends (complete the
+  function) answered by the function in a ``python`` fence, its reference solution after the
+  prompt where the benchmark has one (HumanEval's ``canonical_solution``; MBPP-style files have
+  none, so the answer is the prompt's signature and docstring); multiple-choice questions
+  (``mmlu``, ``mmlu_medical``) as the question, its options and ``Answer:``, answered by the
+  correct letter and option;
+- or a folder of samples in any input form (``data/formats.py``): its first ``target_size``
+  distinct samples, in file order.
+
+The set is written as an instruction table (``raw_instructions``' schema, every sample in the
+``train`` split) so the embedding pass reads it as it reads a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+
+from cluster_pipeline.data.datasets import build_instruction_table
+from cluster_pipeline.data.formats import Sample, read_dataset_folder
+from cluster_pipeline.evaluation.suites import SUITES, CodeProblem, code_request, find_eval_file
+
+TARGET_FORM = "target"
+
+
+def _code_sample(name: str, i: int, problem: CodeProblem) -> Sample:
+    answer = problem.prompt + (problem.solution or "")
+    return Sample(
+        prompt=code_request(problem)[0]["content"],
+        response=f"```python\n{answer}```",
+        system="",
+        form=TARGET_FORM,
+        source_file=f"{name}:{problem.task_id}",
+        source_line=i + 1,
+    )
+
+
+def _choice_sample(name: str, i: int, question: dict) -> Sample:
+    letters = "ABCD"
+    options = [str(question[f"answer_{c.lower()}"]) for c in letters]
+    prompt = (
+        question["question"]
+        + "\n"
+        + "\n".join(f"{c}. {o}" for c, o in zip(letters, options, strict=True))
+        + "\nAnswer:"
+    )
+    correct = str(question["correct_answer"]).strip().upper()
+    return Sample(
+        prompt=prompt,
+        response=f"{correct}. {options[letters.index(correct)]}",
+        system="",
+        form=TARGET_FORM,
+        source_file=f"{name}:{question.get('topic', '')}",
+        source_line=i + 1,
+    )
+
+
+def target_problem(target: str | None, folders: Sequence[Path] | None) -> str | None:
+    """Why ``target`` names no target set (None when it does): empty, neither a benchmark of
+    :data:`SUITES` nor an existing folder, or a benchmark whose file is in none of ``folders``
+    (not looked for when ``folders`` is None). Reads nothing but file names (run checks call
+    it before any step)."""
+    if not target:
+        return f"rds needs a target set: a benchmark ({', '.join(SUITES)}) or a folder of samples"
+    if target in SUITES:
+        suite = SUITES[target]
+        if folders is not None and suite.file and find_eval_file(folders, suite.file) is None:
+            where = ", ".join(str(f) for f in folders)
+            return f"benchmark {target!r} reads {suite.file}, found in none of {where}"
+        return None
+    if not Path(target).is_dir():
+        return (
+            f"neither a benchmark ({', '.join(SUITES)}) nor an existing folder of samples; "
+            "give an absolute path"
+        )
+    return None
+
+
+def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFrame:
+    """The target set ``target`` (module docstring) as an instruction table: at most ``size``
+    distinct samples, columns of ``raw_instructions`` (split ``train``).
+
+    Raises:
+        ValueError: :func:`target_problem`'s reasons, or the set holds no sample.
+        DatasetFormatError: a folder's file or record cannot be read (names file and line).
+    """
+    problem = target_problem(target, folders)
+    if problem is not None:
+        raise ValueError(f"target {target!r}: {problem}")
+    samples: list[Sample] = []
+    if target in SUITES:
+        suite = SUITES[target]
+        path = find_eval_file(folders, suite.file) if suite.file else None
+        items = suite.load(path, size)
+        for i, item in enumerate(items):
+            if suite.kind == "code":
+                samples.append(_code_sample(target, i, item))
+            else:
+                samples.append(_choice_sample(target, i, item))
+    else:
+        seen: set[str] = set()
+        for sample in read_dataset_folder(Path(target)):
+            if sample.sample_id not in seen:
+                seen.add(sample.sample_id)
+                samples.append(sample)
+            if len(samples) >= size:
+                break
+    if not samples:
+        raise ValueError(f"target {target!r} holds no sample")
+    frame, _ = build_instruction_table(samples, 0.0, None, None, seed=0)
+    return frame

@@ -1,0 +1,380 @@
+"""What every selector shares (docs/design.md, step 3): its inputs, its result, its cost record
+and the budgets that make selectors comparable at equal data.
+
+A selector is a function ``(SelectionInputs, SelectionParams) -> SelectionResult`` registered
+as a :class:`SelectorSpec` (``selection/selectors/__init__.py``). The inputs are per-sample
+columns of the clustered pool (N rows, in the ``balanced_clusters`` table's order) plus what a
+selector's own model passes produced (the target set's embeddings for ``rds``, the
+unconditioned losses for ``ifd``); a spec names the inputs it reads (``needs``) and the model
+passes they come from (``passes``), so the caller runs only the passes the chosen selector
+needs and refuses a selector whose inputs are missing before anything runs.
+
+Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, and token totals
+``L_c = sum_{i in c} l_i`` (l_i the sample's tokens, prompt and response):
+
+    per cluster, sample balance:  keep = floor(r * m)                    0 < r <= 1
+    per cluster, token balance:   B    = floor(r * min_c L_c) tokens
+    global (unclustered):         K * keep samples, or K * B tokens
+
+(``r * m`` and ``r * L`` rounded to 9 decimals before the floor.) The global budget is what a
+cluster selector at the same r keeps in all, so ``random_global``, ``rds`` and ``ifd`` are
+compared with ``peripheral`` at equal data. Under token balance a global order is cut at the
+longest prefix whose tokens stay within K * B (at least one sample).
+
+Weights (step 5): ``w_c = n_c K / N`` (sample balance) or ``w_c = K R_c / R`` (token balance,
+R_c the cluster's response tokens), for the re-weighted selectors; 1 for the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# The inputs a selector may need (fields of SelectionInputs), and the model passes they come
+# from: the embedding pass (proxy_embeddings) gives the clustering's distances, the lengths,
+# the conditioned mean loss and hidden_mean; the other two are a selector's own passes.
+PASS_EMBEDDING = "embedding"
+PASS_UNCONDITIONED = "unconditioned"
+PASS_TARGETS = "targets"
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """One model pass over samples that a selector's inputs came from.
+
+    Attributes:
+        name: ``"embedding"`` (the proxy_embeddings pass over the pool), ``"unconditioned"``
+            (ifd's response-only pass) or ``"targets"`` (rds's pass over the target set).
+        samples: samples passed forward, one forward pass each.
+        tokens: tokens of those samples (as the model saw them).
+        seconds: what the pass costs at the rate its cache measured (model load excluded), the
+            same whether this run computed it or read it from the cache.
+        backward: backward passes (none of the selectors here takes a gradient).
+        run_now: samples this run passed through the model (the others were cached).
+    """
+
+    name: str
+    samples: int
+    tokens: int
+    seconds: float
+    backward: int = 0
+    run_now: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (seconds rounded to 0.01 s)."""
+        return {
+            "name": self.name,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 2),
+            "backward": self.backward,
+            "run_now": self.run_now,
+        }
+
+
+@dataclass(frozen=True)
+class SelectionCost:
+    """What a selection cost: its own seconds (scoring and ordering, on the CPU) and the model
+    passes its inputs needed.
+
+    Attributes:
+        seconds: wall seconds of the selector's function.
+        passes: the model passes of the selector's inputs (:class:`PassCost`).
+    """
+
+    seconds: float
+    passes: tuple[PassCost, ...] = ()
+
+    @property
+    def forward_passes(self) -> int:
+        """Per-sample forward passes over all the selector's model passes."""
+        return sum(p.samples for p in self.passes)
+
+    @property
+    def backward_passes(self) -> int:
+        """Per-sample backward passes (0 for every selector here)."""
+        return sum(p.backward for p in self.passes)
+
+    @property
+    def total_seconds(self) -> float:
+        """The selector's seconds plus its passes' seconds."""
+        return self.seconds + sum(p.seconds for p in self.passes)
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """What selectors read, for N samples in K clusters (one row each, table order).
+
+    Attributes:
+        labels: (N,) int64 cluster per sample, in [0, K).
+        k: number of clusters K (the data-parallel ranks).
+        sq_distance: (N,) float32 squared distance to the sample's centroid.
+        lengths: (N,) int64 tokens per sample (prompt and response, as trained); needed for
+            token balance.
+        response_tokens: (N,) int64 response tokens per sample T; the weights of token
+            balance.
+        mean_loss: (N,) float32 mean token cross-entropy of the response given the prompt
+            (nats), from the embedding pass (nan where the sample has none).
+        unconditioned_loss: (N,) float32 the same mean over the same response tokens without
+            the prompt (ifd's pass).
+        hidden_mean: (N, d) float32 L2-normalised mean final hidden state over the response.
+        targets: (M, d) float32 L2-normalised hidden_mean of the M target samples (rds).
+        passes: the model passes the inputs came from, attached to the cost record.
+    """
+
+    labels: np.ndarray
+    k: int
+    sq_distance: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    response_tokens: np.ndarray | None = None
+    mean_loss: np.ndarray | None = None
+    unconditioned_loss: np.ndarray | None = None
+    hidden_mean: np.ndarray | None = None
+    targets: np.ndarray | None = None
+    passes: tuple[PassCost, ...] = ()
+
+    @property
+    def n(self) -> int:
+        """N."""
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class SelectionParams:
+    """The knobs every selector takes: ratio r in (0, 1], seed of the random ones, and balance
+    (``"samples"``: the published rule; ``"tokens"``: budgets in tokens)."""
+
+    r: float = 1.0
+    seed: int = 0
+    balance: str = "samples"
+
+
+@dataclass(frozen=True)
+class SelectionResult:
+    """Per-sample outcome of a selector over N samples in K clusters.
+
+    Attributes:
+        selector: the selector's name.
+        selected: (N,) bool, kept at least once.
+        copies: (N,) int64, times the sample is trained on per epoch (0 if not selected; > 1
+            only for ``uniform`` oversampling).
+        selection_rank: (N,) int64, 0-based position in the selector's order within the sample's
+            cluster (the global order for the unclustered selectors); the first ``per_cluster``
+            are kept.
+        weight: (N,) float64, loss weight of the sample's cluster (1 where not re-weighted).
+        cluster_weights: (K,) float64, w_c.
+        per_cluster: samples kept per cluster, floor(r * m) (or the largest size for
+            ``uniform``); for the unclustered selectors the samples kept in all; under token
+            balance the largest number of samples a cluster kept (all kept, unclustered).
+        balance: ``"samples"`` or ``"tokens"``.
+        token_budget: tokens kept per cluster under token balance (K times it for the
+            unclustered selectors), None under sample balance.
+        score: (N,) float64, what the selector orders by (sq_distance for ``peripheral`` and
+            ``core``, IFD for ``ifd``, the best cosine to a target for ``rds``), nan where it
+            has none (random orders, samples ``ifd`` cannot score); None when not recorded.
+        cost: what the selection cost (:class:`SelectionCost`), None when not recorded.
+    """
+
+    selector: str
+    selected: np.ndarray
+    copies: np.ndarray
+    selection_rank: np.ndarray
+    weight: np.ndarray
+    cluster_weights: np.ndarray
+    per_cluster: int
+    balance: str = "samples"
+    token_budget: int | None = None
+    score: np.ndarray | None = None
+    cost: SelectionCost | None = None
+
+    @property
+    def n_selected(self) -> int:
+        """Training examples per epoch, counting oversampled copies."""
+        return int(self.copies.sum())
+
+    @property
+    def data_fraction(self) -> float:
+        """Distinct selected samples / N."""
+        return float(self.selected.mean()) if self.selected.size else 0.0
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """One registered selector.
+
+    Attributes:
+        name: its name in run configs (``peripheral_subsets.selector``).
+        summary: one line for the UI's description of ``selector``.
+        run: the selector: ``(inputs, params) -> SelectionResult`` (cost added by the
+            registry's :func:`~cluster_pipeline.selection.selectors.run_selector`).
+        needs: the :class:`SelectionInputs` fields it reads beyond labels and K.
+        passes: the model passes those inputs come from (``PASS_*``).
+        clustered: its subset keeps the clusters (cluster c trains on rank c); otherwise the
+            subset is dealt into random balanced shards (selection/sharding.py).
+        reweighted: rank c's loss is weighted by w_c (step 5).
+        source: where its rule comes from (the paper).
+    """
+
+    name: str
+    summary: str
+    run: Callable[[SelectionInputs, SelectionParams], SelectionResult]
+    needs: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ()
+    clustered: bool = False
+    reweighted: bool = False
+    source: str = field(default="")
+
+
+def cluster_weights(sizes: np.ndarray) -> np.ndarray:
+    """w_c = n_c * K / N for (K,) cluster sizes n_c (docs/design.md, step 5). Sums to K.
+    Given the clusters' response-token totals R_c instead, the same formula is w_c = K R_c / R,
+    the weights of token balance."""
+    sizes = np.asarray(sizes, dtype=np.float64)
+    return sizes * len(sizes) / sizes.sum()
+
+
+def token_budget(cluster_tokens: np.ndarray, r: float) -> int:
+    """B = floor(r * min_c L_c) tokens per cluster, L_c the clusters' token totals (K,).
+
+    Raises:
+        ValueError: r outside (0, 1], or B = 0.
+    """
+    if not 0.0 < r <= 1.0:
+        raise ValueError(f"selection ratio r must be in (0, 1], got {r}")
+    budget = math.floor(round(r * int(np.min(cluster_tokens)), 9))
+    if budget == 0:
+        raise ValueError(
+            f"floor(r * min_c L_c) = 0 tokens: cluster token totals "
+            f"{np.asarray(cluster_tokens).tolist()}. Raise r, lower K or add data."
+        )
+    return budget
+
+
+def per_cluster_budget(sizes: np.ndarray, r: float) -> int:
+    """floor(r * m), m = min_c n_c.
+
+    Raises:
+        ValueError: r outside (0, 1], or floor(r * m) = 0 (the message gives the sizes).
+    """
+    if not 0.0 < r <= 1.0:
+        raise ValueError(f"selection ratio r must be in (0, 1], got {r}")
+    m = int(np.min(sizes))
+    keep = math.floor(round(r * m, 9))
+    if keep == 0:
+        raise ValueError(
+            f"floor(r * m) = floor({r} * {m}) = 0: the smallest cluster is too small for r={r}. "
+            f"Cluster sizes: {np.asarray(sizes).tolist()}. Raise r, lower K or add data."
+        )
+    return keep
+
+
+def cluster_tokens(inputs: SelectionInputs) -> np.ndarray:
+    """(K,) int64 L_c, the clusters' token totals.
+
+    Raises:
+        ValueError: no lengths, or a sample of non-positive length.
+    """
+    if inputs.lengths is None:
+        raise ValueError("token balance needs the samples' lengths")
+    lengths = np.asarray(inputs.lengths, dtype=np.int64)
+    if (lengths < 1).any():
+        raise ValueError("every sample needs a positive token length")
+    labels = np.asarray(inputs.labels, dtype=np.int64)
+    return np.bincount(labels, weights=lengths, minlength=inputs.k).astype(np.int64)
+
+
+def global_budget(inputs: SelectionInputs, params: SelectionParams) -> int:
+    """The unclustered selectors' budget: K * floor(r * m) samples (sample balance) or
+    K * floor(r * min_c L_c) tokens (token balance); module docstring.
+
+    Raises:
+        ValueError: as :func:`per_cluster_budget` / :func:`token_budget`.
+    """
+    if params.balance == "tokens":
+        return inputs.k * token_budget(cluster_tokens(inputs), params.r)
+    sizes = np.bincount(np.asarray(inputs.labels, dtype=np.int64), minlength=inputs.k)
+    return inputs.k * per_cluster_budget(sizes, params.r)
+
+
+def rank_within(labels: np.ndarray, key: np.ndarray, k: int) -> np.ndarray:
+    """0-based rank of each sample within its cluster when sorted by ascending key (ties by
+    sample index). (N,) int64."""
+    order = np.lexsort((np.arange(len(labels)), key, labels))
+    ranks = np.empty(len(labels), dtype=np.int64)
+    starts = np.searchsorted(labels[order], np.arange(k))
+    positions = np.arange(len(labels)) - np.repeat(starts, np.bincount(labels, minlength=k))
+    ranks[order] = positions
+    return ranks
+
+
+def prefix_within(labels: np.ndarray, rank: np.ndarray, lengths: np.ndarray, k: int, budget):
+    """(N,) bool: per cluster, the samples in ``rank`` order whose running token total stays
+    within ``budget`` (at least the first one)."""
+    order = np.lexsort((rank, labels))
+    running = np.empty(len(labels), dtype=np.int64)
+    sorted_labels = labels[order]
+    cum = np.cumsum(lengths[order])
+    starts = np.searchsorted(sorted_labels, np.arange(k))
+    before = np.concatenate([[0], cum])[starts]
+    running[order] = cum - np.repeat(before, np.bincount(labels, minlength=k))
+    return (running <= budget) | (rank == 0)
+
+
+def global_selection(
+    name: str,
+    order: np.ndarray,
+    inputs: SelectionInputs,
+    params: SelectionParams,
+    budget: int,
+    score: np.ndarray,
+) -> SelectionResult:
+    """The result of an unclustered selector from its global ``order``: the first ``budget``
+    samples of ``order`` (sample balance), or its longest prefix within ``budget`` tokens, at
+    least one sample (token balance). Weight 1 everywhere.
+
+    Args:
+        name: the selector.
+        order: (S,) int64 indices of the samples the selector may keep, best first (S <= N;
+            the others are never kept and are ranked after them, in index order).
+        inputs: the pool (N samples, K clusters; lengths under token balance).
+        params: r, seed and balance.
+        budget: samples or tokens (:func:`global_budget`).
+        score: (N,) float64 the selector's score.
+
+    Raises:
+        ValueError: an empty ``order``.
+    """
+    n, k = inputs.n, inputs.k
+    order = np.asarray(order, dtype=np.int64)
+    if len(order) == 0:
+        raise ValueError(f"{name}: no sample can be selected")
+    rank = np.empty(n, dtype=np.int64)
+    rest = np.setdiff1d(np.arange(n), order)
+    rank[order] = np.arange(len(order))
+    rank[rest] = len(order) + np.arange(len(rest))
+    copies = np.zeros(n, dtype=np.int64)
+    ones = np.ones(k)
+    if params.balance == "tokens":
+        lengths = np.asarray(inputs.lengths, dtype=np.int64)
+        copies[order[np.cumsum(lengths[order]) <= budget]] = 1
+        copies[order[0]] = 1
+        return SelectionResult(
+            name,
+            copies > 0,
+            copies,
+            rank,
+            np.ones(n),
+            ones,
+            int(copies.sum()),
+            "tokens",
+            budget,
+            score=score,
+        )
+    copies[order[:budget]] = 1
+    return SelectionResult(
+        name, copies > 0, copies, rank, np.ones(n), ones, int(copies.sum()), score=score
+    )

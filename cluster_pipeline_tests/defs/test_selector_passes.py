@@ -1,0 +1,152 @@
+"""The selectors with passes of their own (rds: the target set; ifd: the responses without
+their prompts) run through the assets on a tiny random model and the 60-sample dataset: the
+pass is cached per sample, the subset is dealt into random balanced shards with weight 1, and
+the cost record counts every forward pass."""
+
+from collections import Counter
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from cluster_pipeline.defs.partitions import DATASETS
+from cluster_pipeline_tests.helpers import (
+    materialize_partition,
+    meta,
+    pipeline_assets,
+    read,
+    resources,
+    run_config_for,
+    step_failure,
+    write_jsonl,
+)
+
+ASSETS = pipeline_assets()
+CHAIN, SELECTION = ASSETS[:3], ASSETS[3:5]
+
+
+@pytest.mark.slow
+def test_rds_selects_towards_a_target_folder_through_the_assets(
+    tiny_data_dir, tiny_model_dir, tmp_path
+):
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assert materialize_partition(CHAIN, instance, res).success
+        # The target set: four training samples of the pool itself, so each target's most
+        # similar pool sample is its own copy (cosine 1): round 1 of the round-robin takes
+        # exactly them, in target order.
+        train = read(instance, "raw_instructions").filter(pl.col("split") == "train")
+        targets = train.head(4)
+        write_jsonl(
+            tmp_path / "targets" / "t.jsonl",
+            [
+                {"instruction": p, "output": r}
+                for p, r in zip(targets["prompt"], targets["response"], strict=True)
+            ],
+        )
+        config = {"selector": "rds", "target": str(tmp_path / "targets"), "ratio": 0.5}
+        result = materialize_partition(
+            SELECTION,
+            instance,
+            res,
+            run_config=run_config_for(SELECTION, peripheral_subsets=config),
+        )
+        assert result.success
+        subsets = read(instance, "peripheral_subsets")
+        first = subsets.filter(pl.col("selection_rank") < 4).sort("selection_rank")
+        assert first["sample_id"].to_list() == targets["sample_id"].to_list()
+        assert first["selected"].all() and first["score"].to_numpy().min() > 0.9999
+        assert subsets["score"].null_count() == 0 and (subsets["weight"] == 1.0).all()
+        m = meta(instance, "peripheral_subsets")
+        assert m["selection_target"] == str(tmp_path / "targets")
+        assert m["selection_target_samples"] == 4
+        assert [p["name"] for p in m["selection_passes"]] == ["embedding", "targets"]
+        assert m["forward_passes"] == subsets.height + 4 and m["backward_passes"] == 0
+        assert m["selection_passes"][1]["run_now"] == 4
+        assert "selection_targets" in m["inputs"]
+        # Random balanced shards (the paper's baselines): weight 1, every selected sample once.
+        shards = read(instance, "shard_manifests")
+        assert Counter(shards["sample_id"]) == Counter(
+            subsets.filter(pl.col("selected"))["sample_id"]
+        )
+        assert (shards["weight"] == 1.0).all()
+        assert all(c.passed for c in result.get_asset_check_evaluations())
+
+        # Again: the target pass comes from its cache, the selection is the same.
+        assert materialize_partition(
+            SELECTION,
+            instance,
+            res,
+            run_config=run_config_for(SELECTION, peripheral_subsets=config),
+        ).success
+        again = meta(instance, "peripheral_subsets")
+        assert again["selection_passes"][1]["run_now"] == 0
+        assert read(instance, "peripheral_subsets")["selected"].equals(subsets["selected"])
+
+        # A target set that does not exist is refused before any pass.
+        bad = materialize_partition(
+            SELECTION[:1],
+            instance,
+            res,
+            run_config=run_config_for(
+                SELECTION[:1], peripheral_subsets={**config, "target": str(tmp_path / "none")}
+            ),
+            raise_on_error=False,
+        )
+        assert not bad.success
+        assert "nor an existing folder" in step_failure(bad)[0]
+
+
+@pytest.mark.slow
+def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(tiny_data_dir, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster_pipeline.data.tokenization import encode_sample, generation_header, response_only
+
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assets = [*CHAIN, *SELECTION]
+        result = materialize_partition(
+            assets,
+            instance,
+            res,
+            run_config=run_config_for(
+                assets,
+                proxy_embeddings={"world_size": 2},
+                peripheral_subsets={"selector": "ifd"},
+            ),
+        )
+        assert result.success
+        subsets = read(instance, "peripheral_subsets")
+        emb = read(instance, "proxy_embeddings").select("sample_id", "mean_loss")
+        n = subsets.height
+        m = meta(instance, "peripheral_subsets")
+        assert [p["name"] for p in m["selection_passes"]] == ["embedding", "unconditioned"]
+        assert m["forward_passes"] == 2 * n and m["backward_passes"] == 0
+        assert m["selection_passes"][1]["run_now"] == n
+        # The kept samples are the most difficult of those with IFD < 1 (a prefix of the order).
+        kept = subsets.filter(pl.col("selected"))["score"].to_numpy()
+        left = subsets.filter(~pl.col("selected") & (pl.col("score") < 1))["score"].to_numpy()
+        assert kept.max() < 1 and (len(left) == 0 or kept.min() >= left.max())
+        assert (read(instance, "shard_manifests")["weight"] == 1.0).all()
+
+        # IFD of the first-ranked sample by hand: both losses from the model directly.
+        top = subsets.sort("selection_rank").row(0, named=True)
+        raw = read(instance, "raw_instructions").filter(pl.col("sample_id") == top["sample_id"])
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        row = raw.row(0, named=True)
+        sample = encode_sample(tokenizer, row["system"], row["prompt"], row["response"], 64)
+        alone = response_only(sample, tokenizer, generation_header(tokenizer))
+
+        def loss(s):
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]))
+            return float(out.loss)
+
+        conditioned = emb.filter(pl.col("sample_id") == top["sample_id"])["mean_loss"][0]
+        assert conditioned == pytest.approx(loss(sample), rel=1e-4)
+        assert top["score"] == pytest.approx(loss(sample) / loss(alone), rel=1e-4)
