@@ -14,8 +14,8 @@ float32 rounding; ``cluster_pipeline_tests/data/test_packing.py``).
 Rows are bounded (``max_row_tokens``): on CPU, sdpa computes a packed row's whole score matrix
 under the block mask, so a row of length L costs L^2 attention work however many samples it
 holds (torchtune's packed datasets bound rows the same way; ``benchmarks/
-training_throughput.py`` measures which bound is fastest). Samples are put into rows by
-first-fit decreasing bin packing.
+training_throughput.py`` measures which bound is fastest). Samples are put into as few rows as
+first-fit decreasing bin packing finds, spread evenly over them (:func:`pack_rows`).
 
 This module needs torch alone (no pydantic, polars or Dagster), so the throughput benchmark's
 timing core runs it on machines that have nothing else. A batch is described by rows of sample
@@ -50,8 +50,13 @@ class TokenSample(Protocol):
 
 
 def pack_rows(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
-    """First-fit decreasing bin packing of samples into rows of at most ``max_row_tokens``
-    tokens (a sample longer than that gets a row of its own).
+    """Samples into as few rows of at most ``max_row_tokens`` tokens as first-fit decreasing
+    bin packing finds, then spread over those rows as evenly as the longest-processing-time rule
+    makes them (each sample, longest first, into the row with the fewest tokens so far), when
+    that shortens the longest row without passing the bound. A batch's rows are padded to its
+    longest, so even rows waste the least: [5, 4, 3, 3, 2] into rows of 8 is [5 + 3], [4 + 3],
+    [2] by first fit (longest 8, 7 padding tokens) and [5], [4 + 2], [3 + 3] balanced (longest
+    6, 1 padding token). A sample longer than the bound gets a row of its own.
 
     Args:
         lengths: tokens per sample.
@@ -78,6 +83,18 @@ def pack_rows(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
         else:
             rows.append([i])
             room.append(max_row_tokens - lengths[i])
+    if len(rows) < 2:
+        return rows
+    even: list[list[int]] = [[] for _ in rows]
+    filled = [0] * len(rows)
+    for i in order:
+        r = min(range(len(rows)), key=lambda k: (filled[k], k))
+        even[r].append(i)
+        filled[r] += lengths[i]
+    longest_ffd = max(sum(lengths[i] for i in row) for row in rows)
+    bound = max(max_row_tokens, max(lengths))
+    if max(filled) < longest_ffd and max(filled) <= bound:
+        return even
     return rows
 
 

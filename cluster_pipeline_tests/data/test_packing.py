@@ -18,9 +18,15 @@ from cluster_pipeline.training.step import token_loss_sum
 from cluster_pipeline_tests.selection.test_embedding import SAMPLES
 
 
-def test_first_fit_decreasing_by_hand():
-    # Sorted 5, 4, 3, 3, 2 into rows of 8: 5 | 4 | 5+3 | 4+3 | 2 opens a third row.
-    assert pack_rows([5, 4, 3, 3, 2], 8) == [[0, 2], [1, 3], [4]]
+def test_rows_by_hand():
+    # Sorted 5, 4, 3, 3, 2 into rows of 8: first fit needs three rows (5+3 | 4+3 | 2, longest
+    # 8); spread over three rows, longest first into the emptiest: 5 | 4+2 | 3+3 (longest 6).
+    assert pack_rows([5, 4, 3, 3, 2], 8) == [[0], [1, 4], [2, 3]]
+    # 6, 2, 2: first fit 6+2 | 2 (longest 8); even 6 | 2+2 (longest 6).
+    assert pack_rows([6, 2, 2], 8) == [[0], [1, 2]]
+    # Spreading cannot shorten the longest row: first fit's rows stay.
+    assert pack_rows([4, 4, 4, 4], 8) == [[0, 1], [2, 3]]
+    assert pack_rows([7, 1, 1, 1, 1, 1, 1, 1, 1, 1], 8) == [[0, 1], [2, 3, 4, 5, 6, 7, 8, 9]]
     # A sample longer than the bound gets a row of its own.
     assert pack_rows([10, 1], 8) == [[0], [1]]
     with pytest.raises(ValueError, match="max_row_tokens"):
