@@ -125,7 +125,7 @@ def balanced_clusters(
         f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
         f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-{max(fit.restart_inertias):.4f}, "
         f"{max(fit.restart_iterations)} iterations at most); weights w_c "
-        f"{[round(w, 4) for w in cluster_weights(result.sizes)]}"
+        f"{[round(float(w), 4) for w in cluster_weights(result.sizes)]}"
     )
     passed, description = check_capacity(
         frame["sample_id"],
