@@ -15,8 +15,8 @@ a resumed run continues at the same place.
   at most the smallest shard's sample count). Each rank cuts its epoch into S consecutive runs of
   about L_c / S tokens, each run into micro-batches of at most ``max_tokens_per_micro_batch``
   real tokens (a longer sample alone), each micro-batch into packed rows of at most
-  ``max_packed_length`` tokens (first fit's row count, spread evenly: data/packing.py). With token-balanced
-  shards every rank then does about the same work at every step.
+  ``max_packed_length`` tokens (first fit's row count, spread evenly: data/packing.py). With
+  token-balanced shards every rank then does about the same work at every step.
 
 Where ranks need different numbers of micro-batches at a step, the shorter plans get
 placeholder micro-batches (one padding token, no loss): a forward and backward of one token, so
