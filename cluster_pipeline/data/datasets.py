@@ -198,7 +198,11 @@ def build_instruction_table(
         n_heldout = min(n_heldout, max_heldout)
     train_available = n - n_heldout
     if train_available <= 0:
-        raise ValueError(f"no training samples left: N={n}, held out {n_heldout}")
+        raise ValueError(
+            f"no training samples left: {n} distinct sample(s), all {n_heldout} held out "
+            f"(heldout_fraction {heldout_fraction} of {n}, rounded up); add samples, or set "
+            "raw_instructions.heldout_fraction: 0 (or a smaller max_heldout)"
+        )
     n_train = train_available if max_train is None else min(max_train, train_available)
     split = {sid: "heldout" for sid in order[:n_heldout]}
     split.update({sid: "train" for sid in order[n_heldout : n_heldout + n_train]})

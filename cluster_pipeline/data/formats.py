@@ -196,12 +196,30 @@ def _text(value: object, field: str, where: str) -> str:
             f"{where}: field {field!r} is the number {value}, not text (a missing value written "
             "as NaN?). Write a string, or null for none."
         )
+    if isinstance(value, bool):  # before int: a bool is an int to Python
+        raise DatasetFormatError(
+            f"{where}: field {field!r} is the JSON boolean {str(value).lower()}, not text. "
+            f'Write it as a string ("{str(value).lower()}") if that is the text, or fix the record.'
+        )
     if isinstance(value, (int, float)):
         return str(value)
     raise DatasetFormatError(
-        f"{where}: field {field!r} must be a string, got {type(value).__name__}. "
+        f"{where}: field {field!r} must be a string, got a JSON {json_type(value)}. "
         "Fix the record or remove it from the file."
     )
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type: object, array, string, number, boolean, null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
 
 
 def _loads_inner(value: str, field: str, where: str) -> Any:
@@ -418,7 +436,9 @@ def normalise_record(
     where = f"{source_file}:{source_line}"
     if not isinstance(record, dict):
         raise DatasetFormatError(
-            f"{where}: expected a JSON object per sample, got {type(record).__name__}."
+            f"{where}: expected a JSON object per sample, got a JSON {json_type(record)}. "
+            "Write each sample as an object (e.g. {\"instruction\": ..., \"output\": ...}), "
+            "or remove the value from the file."
         )
     original = {fields.get(k, k): k for k in record} if fields else {}
     if fields:
@@ -474,7 +494,8 @@ def normalise_record(
         instruction = _text(record["instruction"], "instruction", where)
         extra = _text(record.get("input"), "input", where)
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        response = _text(record["output" if form == "alpaca" else "response"], form, where)
+        answer = "output" if form == "alpaca" else "response"
+        response = _text(record[answer], answer, where)
     else:
         prompt = _text(record["problem"], "problem", where)
         response = _text(record["solution"], "solution", where)
@@ -669,6 +690,23 @@ def data_files(folder: Path) -> list[Path]:
         for p in folder.rglob("*")
         if p.is_file()
         and p.suffix.lower() in SUPPORTED_SUFFIXES
+        and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
+        and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))
+    )
+
+
+def ignored_files(folder: Path) -> list[Path]:
+    """The files under ``folder`` the reader does not read, sorted: everything but
+    :func:`data_files`, the folder's settings and a ``datasets.save_to_disk`` folder's metadata
+    (hidden files and folders are skipped). ``raw_instructions`` counts them, so a CSV or text
+    file beside the data is never silently passed over."""
+    read = set(data_files(folder))
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p not in read
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
         and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))
     )

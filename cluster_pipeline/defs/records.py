@@ -139,6 +139,8 @@ class RawInstructionsRecord(ChainRecord):
     dropped_fields: dict[str, int] = field(default_factory=dict)
     # Rows whose `tools` column holds function schemas.
     samples_with_tools: int = 0
+    # Files of the dataset folder in no read format (a .csv, .txt beside the data), by path.
+    files_not_read: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ from cluster_pipeline.data.datasets import (
     refused_datasets,
 )
 from cluster_pipeline.data.formats import Sample
-from cluster_pipeline.storage.layout import storage_name
 from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+from cluster_pipeline.storage.layout import storage_name
 
 
 def _samples(n, dup=0):
@@ -265,12 +265,12 @@ def test_tools_are_a_column_and_keep_tool_only_differences_apart(tmp_path):
 
 
 def test_tables_without_a_tools_column_read_it_as_null_and_keep_their_fingerprint(tmp_path):
-    from cluster_pipeline.storage.cache import stable_hash
     from cluster_pipeline.data.datasets import (
         TRAINING_COLUMNS,
         read_instructions,
         samples_fingerprint,
     )
+    from cluster_pipeline.storage.cache import stable_hash
     from cluster_pipeline.storage.tables import write_table
 
     frame, _ = build_instruction_table(_samples(4), 0.0, None, None, 0)
@@ -282,3 +282,18 @@ def test_tables_without_a_tools_column_read_it_as_null_and_keep_their_fingerprin
     before = frame.select([c for c in TRAINING_COLUMNS if c != "tools"]).sort("sample_id").rows()
     ids = set(frame["sample_id"])
     assert samples_fingerprint(old.uri, old.version, ids) == stable_hash(before)
+
+
+@pytest.mark.parametrize(("n", "fraction", "held"), [(1, 0.1, 1), (3, 0.9, 3), (2, 0.5, 1)])
+def test_a_pool_too_small_for_its_held_out_split_says_what_to_do(n, fraction, held):
+    if n - held > 0:  # (2, 0.5): one sample left to train on; not an error
+        frame, stats = build_instruction_table(_samples(n), fraction, None, None, seed=0)
+        assert (stats.train, stats.heldout) == (n - held, held)
+        return
+    with pytest.raises(ValueError) as e:
+        build_instruction_table(_samples(n), fraction, None, None, seed=0)
+    assert str(e.value) == (
+        f"no training samples left: {n} distinct sample(s), all {held} held out "
+        f"(heldout_fraction {fraction} of {n}, rounded up); add samples, or set "
+        "raw_instructions.heldout_fraction: 0 (or a smaller max_heldout)"
+    )

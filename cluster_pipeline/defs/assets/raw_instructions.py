@@ -7,7 +7,7 @@ import dagster as dg
 from pydantic import Field
 
 from cluster_pipeline.data.datasets import build_instruction_table, load_samples, source_fingerprint
-from cluster_pipeline.data.formats import DatasetFormatError
+from cluster_pipeline.data.formats import DatasetFormatError, ignored_files
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
@@ -58,7 +58,8 @@ def raw_instructions(
     conversation, JSON) and ``tools`` (function schemas, JSON; null when none), and the
     ``source_file`` and 1-based ``source_line`` it was read from. Duplicates (same content)
     keep their first source. Metadata counts the turns and fields the reader did not keep
-    (``dropped_turns``, ``dropped_fields``).
+    (``dropped_turns``, ``dropped_fields``) and names the files of the folder it did not read
+    (``files_not_read``: other formats, logged as a warning).
     """
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
@@ -75,6 +76,15 @@ def raw_instructions(
     except (DatasetFormatError, FileNotFoundError, ValueError) as e:
         raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
     table = write_table(frame, layout.table_uri(RAW_INSTRUCTIONS, dataset), guard=storage.guard)
+    folder = layout.raw_dir / dataset
+    not_read = (
+        [str(p.relative_to(folder)) for p in ignored_files(folder)] if folder.is_dir() else []
+    )
+    if not_read:
+        context.log.warning(
+            f"{dataset}: {len(not_read)} file(s) not read (not .json, .jsonl, .parquet or "
+            f".arrow): {', '.join(not_read[:5])}{' ...' if len(not_read) > 5 else ''}"
+        )
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
@@ -99,6 +109,7 @@ def raw_instructions(
         dropped_turns=stats.dropped_turns,
         dropped_fields=stats.dropped_fields,
         samples_with_tools=int(frame["tools"].is_not_null().sum()),
+        files_not_read=not_read,
     )
     return dg.MaterializeResult(
         metadata={
