@@ -468,3 +468,17 @@ def test_a_folder_of_empty_files_is_never_a_partition(tmp_path):
         "good\tregistered",
         f"blank\trefused: {reason}",
     ]
+
+
+def test_files_in_no_read_format_are_named_in_the_metadata(tiny_data_dir):
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+
+    (tiny_data_dir / "raw" / "tiny" / "notes.txt").write_text("not data")
+    (tiny_data_dir / "raw" / "tiny" / "extra.csv").write_text("a,b\n1,2\n")
+    res = {"storage": StorageResource(data_dir=str(tiny_data_dir))}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assert materialize_partition([raw_instructions], instance, res).success
+        found = meta(instance, "raw_instructions")
+        assert found["files_not_read"] == ["extra.csv", "notes.txt"]
+        assert found["records_read"] == 60
