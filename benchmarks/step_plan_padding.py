@@ -26,22 +26,6 @@ LENGTHS = Path(__file__).resolve().parent / "throughput_lengths.json"
 SHAPES = [(727, 512), (1024, 512), (2048, 1024), (8192, 4096)]
 
 
-def first_fit_rows(lengths, max_row_tokens):
-    """The baseline: first-fit decreasing alone (rows filled in turn, the last one short)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows, room = [], []
-    for i in order:
-        for r, left in enumerate(room):
-            if lengths[i] <= left:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_row_tokens - lengths[i])
-    return rows
-
-
 def useful(lengths_per_rank, budget: int, row: int) -> tuple[float, float, int]:
     """(useful compute over the run, its worst step, steps) of the packed plan."""
     plans = plan_module.plan_packed(lengths_per_rank, budget, row, 2, 1, 0)
@@ -77,7 +61,7 @@ def main() -> None:
                 continue
             lengths = [r["lengths"] for r in ranks]
             for budget, row in SHAPES:
-                plan_module.pack_rows = first_fit_rows
+                plan_module.pack_rows = packing.first_fit_rows
                 ff, ff_worst, steps = useful(lengths, budget, row)
                 plan_module.pack_rows = even_rows
                 ev, ev_worst, _ = useful(lengths, budget, row)

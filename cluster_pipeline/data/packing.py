@@ -49,6 +49,31 @@ class TokenSample(Protocol):
     def __len__(self) -> int: ...
 
 
+def first_fit_rows(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
+    """First-fit decreasing bin packing alone: each sample, longest first (ties by index), into
+    the first row with room, rows of at most ``max_row_tokens`` tokens (a longer sample gets a
+    row of its own). The row count :func:`pack_rows` starts from.
+
+    Raises:
+        ValueError: ``max_row_tokens`` < 1.
+    """
+    if max_row_tokens < 1:
+        raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for r, left in enumerate(room):
+            if lengths[i] <= left:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_row_tokens - lengths[i])
+    return rows
+
+
 def pack_rows(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
     """Samples into as few rows of at most ``max_row_tokens`` tokens as first-fit decreasing
     bin packing finds, then spread over those rows as evenly as the longest-processing-time rule
@@ -69,22 +94,10 @@ def pack_rows(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
     Raises:
         ValueError: ``max_row_tokens`` < 1.
     """
-    if max_row_tokens < 1:
-        raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        for r, left in enumerate(room):
-            if lengths[i] <= left:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_row_tokens - lengths[i])
+    rows = first_fit_rows(lengths, max_row_tokens)
     if len(rows) < 2:
         return rows
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     even: list[list[int]] = [[] for _ in rows]
     filled = [0] * len(rows)
     for i in order:
