@@ -26,7 +26,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-from dagster._core.errors import DagsterExecutionInterruptedError
+
+# The one private import, on purpose: while a run waits for its partition's lock, a terminate
+# from the UI reaches this worker as SIGINT, which Dagster's run worker captures instead of
+# raising (``capture_interrupts``). Dagster 1.13 exposes no public way to ask whether one
+# arrived; without it a terminated run would sit in the wait for up to an hour. If a later
+# Dagster drops it, loading the Definitions fails (every test does), not the wait, silently.
 from dagster._utils.interrupts import check_captured_interrupt
 
 from cluster_pipeline.defs.resources import StorageResource
@@ -113,7 +118,7 @@ class PartitionLockedExecutor(dg.Executor):
         except PartitionBusy as e:
             _refuse(plan_context, str(e))
         if not lock.held:
-            raise DagsterExecutionInterruptedError()  # terminated while it waited
+            raise dg.DagsterExecutionInterruptedError()  # terminated while it waited
         watchdog = None
         try:
             if stale is not None and stale.run_id == run.run_id:
@@ -150,7 +155,7 @@ def _refuse(plan_context, message: str):
     failure (Dagster's run iterator sees a run already failed)."""
     plan_context.log.error(message)
     plan_context.instance.report_run_failed(plan_context.dagster_run, message)
-    raise DagsterExecutionInterruptedError()
+    raise dg.DagsterExecutionInterruptedError()
 
 
 def _terminating(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:

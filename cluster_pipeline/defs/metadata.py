@@ -1,4 +1,5 @@
-"""Display-only metadata of a stage's table: row count, column schema and a preview.
+"""Display-only metadata of a stage's table (row count, column schema and a preview), and the
+results of its asset checks.
 
 What downstream stages read back lives in :mod:`cluster_pipeline.defs.records`.
 """
@@ -16,6 +17,19 @@ _DAGSTER_TYPES = {
     pl.Float64: "float64",
     pl.Boolean: "bool",
 }
+
+
+def error_checks(checks: dict[str, tuple[bool, str]]) -> list[dg.AssetCheckResult]:
+    """One ERROR-severity check result per ``name: (passed, description)`` of ``checks``."""
+    return [
+        dg.AssetCheckResult(
+            check_name=name,
+            passed=passed,
+            description=text,
+            severity=dg.AssetCheckSeverity.ERROR,
+        )
+        for name, (passed, text) in checks.items()
+    ]
 
 
 def table_display(frame: pl.DataFrame, preview_columns: list[str] | None = None) -> dict:

@@ -51,7 +51,7 @@ from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
 
 def stage_configs() -> dict[str, type[dg.Config]]:
     """Each stage's run config class (imported here, not at the top: the stage assets call
-    :func:`preflight`)."""
+    :func:`recheck_settings`)."""
     from cluster_pipeline.defs.assets.balanced_clusters import BalancedClustersConfig
     from cluster_pipeline.defs.assets.eval_report import EvalReportConfig
     from cluster_pipeline.defs.assets.peripheral_subsets import PeripheralSubsetsConfig
@@ -309,7 +309,7 @@ def run_stages(context: dg.AssetExecutionContext) -> list[str]:
     return [n for n in names if keys is None or n in keys]
 
 
-def preflight(
+def recheck_settings(
     context: dg.AssetExecutionContext,
     layout: DataLayout,
     model_path: str,

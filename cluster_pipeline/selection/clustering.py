@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.storage.tables import TableRef
+from cluster_pipeline.storage.tables import TableRef, vectors_to_series
 
 # A stream of embeddings: (sample ids or None, (b, d) float32 rows) batches; a fresh iterator
 # per call, in the same rows each time.
@@ -104,6 +104,21 @@ class ClusterResult:
     def optimality_gap(self) -> float:
         """(cost - lower_bound) / cost: how far above the optimum ``cost`` can be, at most."""
         return (self.cost - self.lower_bound) / self.cost if self.cost > 0 else 0.0
+
+    def summary(self, weights: Iterable[float]) -> str:
+        """One line for a run's log: sizes before and after the capacity step, the cap, what the
+        step cost, the k-means search, and the rank ``weights`` w_c."""
+        fit = self.kmeans_fit
+        return (
+            f"K={len(self.sizes)}: sizes {self.sizes.tolist()} (k-means "
+            f"{self.kmeans_sizes.tolist()}), cap {self.cap}, "
+            f"cost +{100 * self.cost_increase:.2f}% (optimal within "
+            f"{100 * self.optimality_gap:.1e}%; {self.boundary_samples} samples by flow); "
+            f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
+            f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-"
+            f"{max(fit.restart_inertias):.4f}, {max(fit.restart_iterations)} iterations at "
+            f"most); weights w_c {[round(float(w), 4) for w in weights]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -669,6 +684,29 @@ def cluster_table(
         niter,
         restarts=restarts,
     )
+
+
+def cluster_frames(streamed: StreamedClusters) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The two tables of a clustering, for N clustered samples and K clusters.
+
+    Returns:
+        The assignment: ``sample_id`` (String), ``cluster`` (Int64, after the capacity step),
+        ``kmeans_cluster`` (Int64, nearest centroid), ``sq_distance`` (Float32, squared L2 to
+        its cluster's centroid); N rows in stream order. And the centroids: ``cluster``,
+        ``centroid`` (List[Float32] of width d), ``size`` and ``kmeans_size`` (Int64); K rows.
+    """
+    result = streamed.result
+    frame = streamed.sample_ids.to_frame().with_columns(
+        pl.Series("cluster", result.labels),
+        pl.Series("kmeans_cluster", result.kmeans_labels),
+        pl.Series("sq_distance", result.sq_distance),
+    )
+    centroids = pl.DataFrame({"cluster": np.arange(len(result.sizes))}).with_columns(
+        vectors_to_series("centroid", result.centroids),
+        pl.Series("size", result.sizes),
+        pl.Series("kmeans_size", result.kmeans_sizes),
+    )
+    return frame, centroids
 
 
 def check_capacity(

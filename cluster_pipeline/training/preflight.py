@@ -1,6 +1,9 @@
 """What the ``trained_checkpoint`` stage checks and decides before any process starts: that the
 ranks divide over the torchrun agents, that the model fits (memory, LoRA targets), and the
-deterministic folder a run's checkpoint goes to. Dagster-free, so tests call it directly."""
+deterministic folder a run's checkpoint goes to. Dagster-free, so tests call it directly.
+
+The rules about settings (each knob's bounds, rules across stages) are not here: they are
+``defs/run_checks.py``'s, which the run's executor and each GPU stage apply."""
 
 from __future__ import annotations
 

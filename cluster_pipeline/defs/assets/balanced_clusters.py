@@ -4,11 +4,9 @@ import time
 from typing import Literal
 
 import dagster as dg
-import numpy as np
-import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.metadata import error_checks, table_display
 from cluster_pipeline.defs.records import BalancedClustersRecord, ProxyEmbeddingsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
@@ -17,13 +15,15 @@ from cluster_pipeline.selection.clustering import (
     DEFAULT_ALPHA,
     KMEANS_NITER,
     KMEANS_RESTARTS,
+    StreamedClusters,
     check_capacity,
+    cluster_frames,
     cluster_table,
 )
 from cluster_pipeline.selection.embedding import REPRESENTATIONS
 from cluster_pipeline.selection.selectors import cluster_weights
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, CLUSTER_CENTROIDS, PROXY_EMBEDDINGS
-from cluster_pipeline.storage.tables import vectors_to_series, write_table
+from cluster_pipeline.storage.tables import TableRef, write_table
 
 
 class BalancedClustersConfig(dg.Config):
@@ -100,43 +100,51 @@ def balanced_clusters(
         )
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
-    result, quarantined = streamed.result, streamed.quarantined
-    fit = result.kmeans_fit
-    frame = streamed.sample_ids.to_frame().with_columns(
-        pl.Series("cluster", result.labels),
-        pl.Series("kmeans_cluster", result.kmeans_labels),
-        pl.Series("sq_distance", result.sq_distance),
-    )
+    result = streamed.result
+    frame, centroids = cluster_frames(streamed)
     table = write_table(frame, layout.table_uri(BALANCED_CLUSTERS, dataset), guard=storage.guard)
-    centroids = pl.DataFrame({"cluster": np.arange(config.num_clusters)}).with_columns(
-        vectors_to_series("centroid", result.centroids),
-        pl.Series("size", result.sizes),
-        pl.Series("kmeans_size", result.kmeans_sizes),
-    )
     centroids_table = write_table(
         centroids, layout.table_uri(CLUSTER_CENTROIDS, dataset), guard=storage.guard
     )
     seconds = time.perf_counter() - start
-    context.log.info(
-        f"K={config.num_clusters}: sizes {result.sizes.tolist()} (k-means "
-        f"{result.kmeans_sizes.tolist()}), cap {result.cap}, "
-        f"cost +{100 * result.cost_increase:.2f}% (optimal within "
-        f"{100 * result.optimality_gap:.1e}%; {result.boundary_samples} samples by flow); "
-        f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
-        f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-{max(fit.restart_inertias):.4f}, "
-        f"{max(fit.restart_iterations)} iterations at most); weights w_c "
-        f"{[round(float(w), 4) for w in cluster_weights(result.sizes)]}"
-    )
-    passed, description = check_capacity(
+    context.log.info(result.summary(cluster_weights(result.sizes)))
+    capacity_check = check_capacity(
         frame["sample_id"],
         frame["cluster"].to_numpy(),
         config.num_clusters,
         frame.height,
         result.cap,
     )
-    record = BalancedClustersRecord(
+    record = _record(config, streamed, embeddings, table, centroids_table, seconds)
+    sizes_png = plots.cluster_sizes(result.kmeans_sizes, result.sizes, result.cap)
+    map_png = plots.pca_map(streamed.kmeans_sample, streamed.kmeans_sample_labels)
+    return dg.MaterializeResult(
+        check_results=error_checks({"capacity": capacity_check}),
+        metadata={
+            **record.to_metadata(),
+            **table_display(frame),
+            "cluster_sizes_plot": dg.MetadataValue.md(
+                plots.markdown_image(sizes_png, "cluster sizes")
+            ),
+            "pca_map": dg.MetadataValue.md(plots.markdown_image(map_png, "PCA map")),
+        },
+    )
+
+
+def _record(
+    config: BalancedClustersConfig,
+    streamed: StreamedClusters,
+    embeddings: ProxyEmbeddingsRecord,
+    table: TableRef,
+    centroids: TableRef,
+    seconds: float,
+) -> BalancedClustersRecord:
+    """The record of a clustering that took ``seconds``, written as ``table`` and
+    ``centroids``."""
+    result, fit = streamed.result, streamed.result.kmeans_fit
+    return BalancedClustersRecord(
         table=table,
-        centroids=centroids_table,
+        centroids=centroids,
         inputs=embeddings.lineage(),
         seconds=round(seconds, 3),
         selection_seconds=round(embeddings.selection_seconds + seconds, 2),
@@ -158,26 +166,6 @@ def balanced_clusters(
         kmeans_inertia=round(fit.inertia, 6),
         kmeans_restart_inertias=[round(v, 6) for v in fit.restart_inertias],
         kmeans_restart_iterations=list(fit.restart_iterations),
-        quarantined_count=quarantined.len(),
-        quarantined_non_finite=quarantined.to_list()[:100],
-    )
-    sizes_png = plots.cluster_sizes(result.kmeans_sizes, result.sizes, result.cap)
-    map_png = plots.pca_map(streamed.kmeans_sample, streamed.kmeans_sample_labels)
-    return dg.MaterializeResult(
-        check_results=[
-            dg.AssetCheckResult(
-                check_name="capacity",
-                passed=passed,
-                description=description,
-                severity=dg.AssetCheckSeverity.ERROR,
-            )
-        ],
-        metadata={
-            **record.to_metadata(),
-            **table_display(frame),
-            "cluster_sizes_plot": dg.MetadataValue.md(
-                plots.markdown_image(sizes_png, "cluster sizes")
-            ),
-            "pca_map": dg.MetadataValue.md(plots.markdown_image(map_png, "PCA map")),
-        },
+        quarantined_count=streamed.quarantined.len(),
+        quarantined_non_finite=streamed.quarantined.to_list()[:100],
     )

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
-from cluster_pipeline.defs.run_checks import preflight
+from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.report import (
@@ -88,7 +88,7 @@ def eval_report(
     if current.path not in [c.path for c in checkpoints]:
         checkpoints.append(current)
     base_path = base_model.local_path(storage)
-    preflight(context, layout, base_path, torchrun.agents)  # before any model is loaded
+    recheck_settings(context, layout, base_path, torchrun.agents)  # before any model is loaded
     entries = model_entries(base_path, checkpoints)
     evaluate = _evaluator(
         context,

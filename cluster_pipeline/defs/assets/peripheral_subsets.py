@@ -3,6 +3,7 @@
 import time
 
 import dagster as dg
+import numpy as np
 import polars as pl
 from pydantic import Field
 
@@ -13,7 +14,7 @@ from cluster_pipeline.defs.records import (
     read_record,
 )
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
-from cluster_pipeline.defs.selection_inputs import gather_inputs
+from cluster_pipeline.defs.selection_inputs import GatheredInputs, gather_inputs
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
@@ -21,6 +22,7 @@ from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import (
     Balance,
     SelectionParams,
+    SelectionResult,
     Selector,
     describe,
     per_cluster_summary,
@@ -28,7 +30,7 @@ from cluster_pipeline.selection.selectors import (
 )
 from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
-from cluster_pipeline.storage.tables import markdown_preview, write_table
+from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_table
 
 
 class PeripheralSubsetsConfig(dg.Config):
@@ -107,52 +109,54 @@ def peripheral_subsets(
         result = run_selector(config.selector, gathered.inputs, params)
     except ValueError as e:
         raise dg.Failure(description=f"{dataset}: {e}") from e
-    cost, score = result.cost, result.score
-    assert cost is not None and score is not None  # run_selector records both
+    assert result.score is not None  # run_selector records it
     frame = frame.with_columns(
         pl.Series("selection_rank", result.selection_rank),
         pl.Series("selected", result.selected),
         pl.Series("copies", result.copies),
         pl.Series("weight", result.weight),
-        pl.Series("score", score, dtype=pl.Float64).fill_nan(None),
+        pl.Series("score", result.score, dtype=pl.Float64).fill_nan(None),
     )
     table = write_table(
         frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
     )
     seconds = time.perf_counter() - start
-    # The embeddings that were clustered, streamed: gradient diversity of the subset as trained
-    # and of the pool, and the PCA map (a seeded sample) in the representation clustered on.
-    copies = frame.select("sample_id", "copies")
-    diversity, pool_diversity = subset_and_pool_diversity(
-        embeddings.vector_batches("embedding", keep="skip_reason"), copies
+    # Gradient diversity of the subset as trained and of the pool, streamed from the embeddings.
+    diversity = subset_and_pool_diversity(
+        embeddings.vector_batches("embedding", keep="skip_reason"),
+        frame.select("sample_id", "copies"),
     )
-    shown = frame.with_row_index("row").sample(min(frame.height, 20000), seed=0)
-    if clusters.representation == "gradient_proxy":
-        mapped = l2_normalise(embeddings.vectors_for("embedding", shown["sample_id"]))
-    else:
-        mapped = embeddings.vectors_for(
-            f"{REPRESENTATIONS[clusters.representation]}_normalised", shown["sample_id"]
-        )
-    rows = shown["row"].to_numpy()
-    kept = (
-        frame.filter(pl.col("selected"))
-        .group_by("cluster")
-        .agg(
-            pl.col("copies").sum().alias("samples"),
-            (pl.col("n_tokens") * pl.col("copies")).sum().alias("tokens"),
-        )
+    summary = per_cluster_summary(frame)
+    record = _record(config, result, clusters, gathered, table, seconds, summary, diversity)
+    context.log.info(_log_line(record))
+    map_png = _selection_map(frame, embeddings, clusters.representation, result.selected)
+    return dg.MaterializeResult(
+        metadata={
+            **record.to_metadata(),
+            **table_display(frame.filter(pl.col("selected"))),
+            "dagster/row_count": frame.height,
+            "per_cluster_table": dg.MetadataValue.md(markdown_preview(summary, max_rows=64)),
+            "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
+        }
     )
-    kept = kept.sort("cluster")
-    context.log.info(
-        f"{config.selector} r={config.ratio}, balance by {config.balance}: {result.n_selected} "
-        f"of {frame.height} samples ({100 * result.data_fraction:.1f}%); per cluster "
-        f"{kept['samples'].to_list()} samples, {kept['tokens'].to_list()} tokens; weights "
-        f"{[round(float(w), 4) for w in result.cluster_weights]}; gradient diversity "
-        f"{diversity:.4f} (pool {pool_diversity:.4f}); cost {cost.seconds:.3f} s and "
-        f"{cost.forward_passes} forward / {cost.backward_passes} backward passes "
-        f"({', '.join(p.name for p in cost.passes) or 'no model pass'})"
-    )
-    record = PeripheralSubsetsRecord(
+
+
+def _record(
+    config: PeripheralSubsetsConfig,
+    result: SelectionResult,
+    clusters: BalancedClustersRecord,
+    gathered: GatheredInputs,
+    table: TableRef,
+    seconds: float,
+    summary: pl.DataFrame,
+    diversity: tuple[float, float],
+) -> PeripheralSubsetsRecord:
+    """The record of a selection that took ``seconds`` and was written as ``table``;
+    ``summary`` is its :func:`per_cluster_summary`, ``diversity`` the subset's and the pool's
+    gradient diversity."""
+    cost = result.cost
+    assert cost is not None  # run_selector records it
+    return PeripheralSubsetsRecord(
         table=table,
         inputs={**clusters.lineage(), **gathered.tables},
         seconds=round(seconds, 3),
@@ -168,16 +172,16 @@ def peripheral_subsets(
         ratio=config.ratio,
         seed=config.seed,
         per_cluster=result.per_cluster,
-        pool_size=frame.height,
+        pool_size=len(result.selected),
         selected_samples=result.n_selected,
         data_fraction=round(result.data_fraction, 4),
         cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
         balance=config.balance,
         token_budget=result.token_budget,
-        samples_per_cluster=kept["samples"].to_list(),
-        tokens_per_cluster=kept["tokens"].to_list(),
-        gradient_diversity=round(diversity, 6),
-        pool_gradient_diversity=round(pool_diversity, 6),
+        samples_per_cluster=summary["kept"].to_list(),
+        tokens_per_cluster=summary["kept_tokens"].to_list(),
+        gradient_diversity=round(diversity[0], 6),
+        pool_gradient_diversity=round(diversity[1], 6),
         selector_seconds=round(cost.seconds, 4),
         forward_passes=cost.forward_passes,
         backward_passes=cost.backward_passes,
@@ -185,15 +189,33 @@ def peripheral_subsets(
         selection_target=gathered.target,
         selection_target_samples=gathered.target_samples,
     )
-    map_png = plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], result.selected[rows])
-    return dg.MaterializeResult(
-        metadata={
-            **record.to_metadata(),
-            **table_display(frame.filter(pl.col("selected"))),
-            "dagster/row_count": frame.height,
-            "per_cluster_table": dg.MetadataValue.md(
-                markdown_preview(per_cluster_summary(frame), max_rows=64)
-            ),
-            "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
-        }
+
+
+def _log_line(record: PeripheralSubsetsRecord) -> str:
+    """One line for the run's log: what was kept per cluster, the weights, diversity and cost."""
+    r = record
+    passes = ", ".join(p["name"] for p in r.selection_passes) or "no model pass"
+    return (
+        f"{r.selector} r={r.ratio}, balance by {r.balance}: {r.selected_samples} of "
+        f"{r.pool_size} samples ({100 * r.data_fraction:.1f}%); per cluster "
+        f"{r.samples_per_cluster} samples, {r.tokens_per_cluster} tokens; weights "
+        f"{[round(w, 4) for w in r.cluster_weights]}; gradient diversity "
+        f"{r.gradient_diversity:.4f} (pool {r.pool_gradient_diversity:.4f}); cost "
+        f"{r.selector_seconds:.3f} s and {r.forward_passes} forward / {r.backward_passes} "
+        f"backward passes ({passes})"
     )
+
+
+def _selection_map(
+    frame: pl.DataFrame, embeddings: TableRef, representation: str, selected: np.ndarray
+) -> bytes:
+    """The PCA map (PNG) of a seeded sample of at most 20,000 rows of ``frame``, in the
+    representation that was clustered, selected samples marked."""
+    shown = frame.with_row_index("row").sample(min(frame.height, 20000), seed=0)
+    if representation == "gradient_proxy":
+        mapped = l2_normalise(embeddings.vectors_for("embedding", shown["sample_id"]))
+    else:
+        column = f"{REPRESENTATIONS[representation]}_normalised"
+        mapped = embeddings.vectors_for(column, shown["sample_id"])
+    rows = shown["row"].to_numpy()
+    return plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], selected[rows])

@@ -11,7 +11,7 @@ from cluster_pipeline.defs.embedding_passes import pass_cache_key, run_cached_pa
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
-from cluster_pipeline.defs.run_checks import preflight
+from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.selection.embedding import assemble_table
 from cluster_pipeline.storage.embedding_cache import CacheUnreadable, pool_seconds
@@ -63,7 +63,7 @@ def proxy_embeddings(
     settings = settings_of(config, EmbedSettings)
     model_path = base_model.local_path(storage)
     # Before the model loads: rules the run's worker could not check without the model or N.
-    preflight(context, layout, model_path, torchrun.agents, instructions)
+    recheck_settings(context, layout, model_path, torchrun.agents, instructions)
     key = pass_cache_key(model_path, settings)
     cache_dir = layout.embedding_cache_dir(dataset, key)
     try:

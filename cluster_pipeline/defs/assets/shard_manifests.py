@@ -5,7 +5,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from cluster_pipeline.defs.metadata import table_display
+from cluster_pipeline.defs.metadata import error_checks, table_display
 from cluster_pipeline.defs.records import PeripheralSubsetsRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
@@ -101,14 +101,6 @@ def shard_manifests(
         token_spread=round(allocation.token_spread, 5),
     )
     return dg.MaterializeResult(
-        check_results=[
-            dg.AssetCheckResult(
-                check_name=name,
-                passed=passed,
-                description=text,
-                severity=dg.AssetCheckSeverity.ERROR,
-            )
-            for name, (passed, text) in checks.items()
-        ],
+        check_results=error_checks(checks),
         metadata={**record.to_metadata(), **table_display(shards)},
     )

@@ -16,7 +16,7 @@ from cluster_pipeline.defs.records import (
     read_record,
 )
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
-from cluster_pipeline.defs.run_checks import preflight
+from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.launch.torchrun import RECIPES
@@ -76,7 +76,7 @@ def trained_checkpoint(
     instructions = shards.inputs[RAW_INSTRUCTIONS]
     settings = settings_of(config, TrainSettings)
     model_path = base_model.local_path(storage)
-    preflight(context, storage.layout, model_path, torchrun.agents)  # before any model loads
+    recheck_settings(context, storage.layout, model_path, torchrun.agents)  # before any model loads
     try:  # before any process starts
         memory_per_rank = check_training_fits(
             model_path, settings, shards.world_size, torchrun.agents, torchrun.launcher == "slurm"

@@ -269,13 +269,15 @@ def selection_from_table(
 
 
 def per_cluster_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """One row per cluster of a ``peripheral_subsets`` table: n_c, samples kept (copies
-    counted) and w_c."""
+    """One row per cluster of a ``peripheral_subsets`` table (``cluster``, ``copies``,
+    ``weight``, ``n_tokens``), in cluster order: ``n_c`` (its size), ``kept`` (samples kept,
+    copies counted), ``kept_tokens`` (their tokens, copies counted) and ``w_c``."""
     return (
         frame.group_by("cluster")
         .agg(
             pl.len().alias("n_c"),
             pl.col("copies").sum().alias("kept"),
+            (pl.col("n_tokens") * pl.col("copies")).sum().alias("kept_tokens"),
             pl.col("weight").first().alias("w_c"),
         )
         .sort("cluster")
