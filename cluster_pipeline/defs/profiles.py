@@ -1,7 +1,7 @@
 """Named size profiles: how big a run is, defined in one place.
 
 ``cpu_quick``, the default, *is* the stage configs' schema defaults (sized so that all seven
-stages finish in about 10-25 minutes on 2 CPU cores with SmolLM2-135M on ``python_stdlib``).
+stages finish in about 12 minutes on 2 idle CPU cores with SmolLM2-135M on ``python_stdlib``).
 Every way a run starts without a config therefore runs the same sizes: the launchpad of
 ``main_job``, *Materialize* in the asset graph, the nightly schedule, the automation sensor,
 ``make run`` and ``dagster asset materialize`` without ``-c``.
