@@ -250,7 +250,9 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         )
     memory.mark("model built" if shard_load else "model loaded")
     model.train()
-    model.config.use_cache = False
+    # No ``model.config.use_cache = False`` here: every training forward passes
+    # use_cache=False itself (training/step.py), and the config is saved with the checkpoint,
+    # whose generate() would otherwise recompute the whole sequence at every new token.
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r:

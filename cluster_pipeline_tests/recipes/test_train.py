@@ -84,6 +84,14 @@ def _stratified_step(
     )
 
 
+def _config_drift(checkpoint: Path, base: Path) -> dict:
+    """{key: (checkpoint's value, base's value)} where the two config.json files differ (the
+    transformers version aside)."""
+    ours, theirs = (json.loads((p / "config.json").read_text()) for p in (checkpoint, base))
+    keys = (set(ours) | set(theirs)) - {"transformers_version"}
+    return {k: (ours.get(k), theirs.get(k)) for k in keys if ours.get(k) != theirs.get(k)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode",
@@ -106,6 +114,9 @@ def test_one_weighted_step_equals_the_stratified_full_gradient(tmp_path, tiny_mo
     _stratified_step(model, _shard_gradients(model, tok, cfg, table))
     for n, p in model.named_parameters():
         torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5)
+    # Nothing of the training's own state (use_cache off, activation checkpointing, FSDP's
+    # wrapping) leaks into the saved model's config: the checkpoint loads as the base does.
+    assert _config_drift(Path(cfg.output_dir), tiny_model_dir) == {}
 
 
 @pytest.mark.slow
@@ -191,6 +202,7 @@ def test_one_weighted_lora_step_equals_the_stratified_adapter_gradient(
         "v_proj",
     ]
     assert (Path(cfg.output_dir) / "adapter" / "adapter_model.safetensors").exists()
+    assert _config_drift(Path(cfg.output_dir), tiny_model_dir) == {}
 
 
 @pytest.mark.slow

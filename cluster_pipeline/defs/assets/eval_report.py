@@ -26,7 +26,7 @@ from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
 from cluster_pipeline.storage.names import EVAL_ITEM_SCORES, RAW_INSTRUCTIONS, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
-from cluster_pipeline.training.checkpointing import list_checkpoints, read_checkpoint
+from cluster_pipeline.training.checkpointing import Checkpoint, list_checkpoints, read_checkpoint
 from cluster_pipeline.training.config import settings_of
 
 
@@ -77,16 +77,7 @@ def eval_report(
         raise dg.Failure(f"{dataset}: {e}") from e
     for name, reason in skipped.items():
         context.log.info(f"benchmark {name} skipped: {reason}")
-
-    current = read_checkpoint(trained.checkpoint_path)
-    if current is None:
-        raise dg.Failure(
-            f"{trained.checkpoint_path} is not a finished checkpoint; materialize "
-            "trained_checkpoint again"
-        )
-    checkpoints = list_checkpoints(current.path.parent) if config.compare_checkpoints else []
-    if current.path not in [c.path for c in checkpoints]:
-        checkpoints.append(current)
+    current, checkpoints = _checkpoints(trained.checkpoint_path, config.compare_checkpoints)
     base_path = base_model.local_path(storage)
     recheck_settings(context, layout, base_path, torchrun.agents)  # before any model is loaded
     entries = model_entries(base_path, checkpoints)
@@ -138,6 +129,24 @@ def eval_report(
             ),
         }
     )
+
+
+def _checkpoints(checkpoint_path: str, compare: bool) -> tuple[Checkpoint, list[Checkpoint]]:
+    """The trained checkpoint, and every finished checkpoint of its folder's runs when
+    ``compare`` (itself among them in any case).
+
+    Raises:
+        dagster.Failure: ``checkpoint_path`` is not a finished checkpoint.
+    """
+    current = read_checkpoint(checkpoint_path)
+    if current is None:
+        raise dg.Failure(
+            f"{checkpoint_path} is not a finished checkpoint; materialize trained_checkpoint again"
+        )
+    checkpoints = list_checkpoints(current.path.parent) if compare else []
+    if current.path not in [c.path for c in checkpoints]:
+        checkpoints.append(current)
+    return current, checkpoints
 
 
 def _record(report, results, scores, path, checkpoint: str, heldout_stats) -> EvalReportRecord:
