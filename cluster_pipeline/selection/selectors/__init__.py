@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.selection.selectors import global_random, ifd, peripheral, rds
+from cluster_pipeline.selection.selectors import global_random, ifd, peripheral, rds, s2l
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
+    PASS_S2L_LOSS,
+    PASS_S2L_PROXY,
     PASS_TARGETS,
     PASS_UNCONDITIONED,
     PassCost,
@@ -61,6 +63,7 @@ __all__ = [
     "select",
     "selection_from_table",
     "token_budget",
+    "trains_a_proxy",
 ]
 
 _CLUSTERING = ("sq_distance",)
@@ -138,6 +141,16 @@ REGISTRY: dict[str, SelectorSpec] = {
             passes=(PASS_EMBEDDING, PASS_TARGETS),
             source="Ivison et al. 2025, Large-Scale Data Selection for Instruction Tuning",
         ),
+        SelectorSpec(
+            "s2l",
+            "SmallToLarge: k-means on each sample's loss trajectory over the checkpoints of a "
+            "proxy trained briefly on the pool (peripheral_subsets.s2l_steps, s2l_checkpoints), "
+            "then the same budget drawn evenly across the trajectory clusters, small ones whole",
+            s2l.s2l,
+            needs=("loss_trajectories",),
+            passes=(PASS_S2L_PROXY, PASS_S2L_LOSS),
+            source="Yang et al. 2024, SmallToLarge (S2L), NeurIPS 2024",
+        ),
     )
 }
 
@@ -158,6 +171,12 @@ def needs_targets(name: str) -> bool:
     """Whether the selector ``name`` reads a target set (``peripheral_subsets.target``)."""
     spec = REGISTRY.get(name)
     return spec is not None and PASS_TARGETS in spec.passes
+
+
+def trains_a_proxy(name: str) -> bool:
+    """Whether the selector ``name`` trains a proxy model on the pool (s2l's knobs apply)."""
+    spec = REGISTRY.get(name)
+    return spec is not None and PASS_S2L_PROXY in spec.passes
 
 
 def describe() -> str:

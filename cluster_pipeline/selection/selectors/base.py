@@ -5,7 +5,7 @@ A selector is a function ``(SelectionInputs, SelectionParams) -> SelectionResult
 as a :class:`SelectorSpec` (``selection/selectors/__init__.py``). The inputs are per-sample
 columns of the clustered pool (N rows, in the ``balanced_clusters`` table's order) plus what a
 selector's own model passes produced (the target set's embeddings for ``rds``, the
-unconditioned losses for ``ifd``); a spec names the inputs it reads (``needs``) and the model
+unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``); a spec names the inputs it reads (``needs``) and the model
 passes they come from (``passes``), so the caller runs only the passes the chosen selector
 needs and refuses a selector whose inputs are missing before anything runs.
 
@@ -18,7 +18,7 @@ Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, an
 
 (``r * m`` and ``r * L`` rounded to 9 decimals before the floor.) The global budget is what a
 cluster selector at the same r keeps in all, so ``random_global``, ``rds`` and ``ifd`` are
-compared with ``peripheral`` at equal data. Under token balance a global order is cut at the
+compared with ``peripheral`` at equal data (``s2l`` too). Under token balance a global order is cut at the
 longest prefix whose tokens stay within K * B (at least one sample).
 
 Weights (step 5): ``w_c = n_c K / N`` (sample balance) or ``w_c = K R_c / R`` (token balance,
@@ -36,10 +36,16 @@ import numpy as np
 
 # The inputs a selector may need (fields of SelectionInputs), and the model passes they come
 # from: the embedding pass (proxy_embeddings) gives the clustering's distances, the lengths,
-# the conditioned mean loss and hidden_mean; the other two are a selector's own passes.
+# the conditioned mean loss and hidden_mean; the others are a selector's own passes (s2l's
+# proxy training, and its loss pass under each of the proxy's checkpoints).
 PASS_EMBEDDING = "embedding"
 PASS_UNCONDITIONED = "unconditioned"
 PASS_TARGETS = "targets"
+PASS_S2L_PROXY = "s2l_proxy"
+PASS_S2L_LOSS = "s2l_loss"
+
+# s2l's trajectory clusters by default: the paper's (Yang et al. 2024, its MathInstruct runs).
+S2L_CLUSTERS = 100
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,16 @@ class PassCost:
 
     Attributes:
         name: ``"embedding"`` (the proxy_embeddings pass over the pool), ``"unconditioned"``
-            (ifd's response-only pass) or ``"targets"`` (rds's pass over the target set).
-        samples: samples passed forward, one forward pass each.
+            (ifd's response-only pass), ``"targets"`` (rds's pass over the target set),
+            ``"s2l_proxy"`` (s2l's proxy training) or ``"s2l_loss"`` (s2l's loss pass under
+            one proxy checkpoint; one entry per checkpoint, in step order).
+        samples: samples passed forward, one forward pass each (for a training pass, the
+            sample visits of all its optimizer steps over all ranks).
         tokens: tokens of those samples (as the model saw them).
         seconds: what the pass costs at the rate its cache measured (model load excluded), the
-            same whether this run computed it or read it from the cache.
-        backward: backward passes (none of the selectors here takes a gradient).
+            same whether this run computed it or read it from the cache; a training pass's
+            measured training seconds.
+        backward: backward passes (per sample visit; only s2l's proxy training takes any).
         run_now: samples this run passed through the model (the others were cached).
     """
 
@@ -96,7 +106,7 @@ class SelectionCost:
 
     @property
     def backward_passes(self) -> int:
-        """Per-sample backward passes (0 for every selector here)."""
+        """Per-sample backward passes (s2l's proxy training; 0 for the other selectors)."""
         return sum(p.backward for p in self.passes)
 
     @property
@@ -123,6 +133,8 @@ class SelectionInputs:
             the prompt (ifd's pass).
         hidden_mean: (N, d) float32 L2-normalised mean final hidden state over the response.
         targets: (M, d) float32 L2-normalised hidden_mean of the M target samples (rds).
+        loss_trajectories: (N, T) float32 mean token loss of the response given the prompt
+            (nats) under each of the T checkpoints of s2l's proxy, in step order.
         passes: the model passes the inputs came from, attached to the cost record.
     """
 
@@ -135,6 +147,7 @@ class SelectionInputs:
     unconditioned_loss: np.ndarray | None = None
     hidden_mean: np.ndarray | None = None
     targets: np.ndarray | None = None
+    loss_trajectories: np.ndarray | None = None
     passes: tuple[PassCost, ...] = ()
 
     @property
@@ -146,11 +159,13 @@ class SelectionInputs:
 @dataclass(frozen=True)
 class SelectionParams:
     """The knobs every selector takes: ratio r in (0, 1], seed of the random ones, and balance
-    (``"samples"``: the published rule; ``"tokens"``: budgets in tokens)."""
+    (``"samples"``: the published rule; ``"tokens"``: budgets in tokens); and s2l's number of
+    trajectory clusters (unused by the others)."""
 
     r: float = 1.0
     seed: int = 0
     balance: str = "samples"
+    s2l_clusters: int = S2L_CLUSTERS
 
 
 @dataclass(frozen=True)
@@ -174,7 +189,8 @@ class SelectionResult:
         token_budget: tokens kept per cluster under token balance (K times it for the
             unclustered selectors), None under sample balance.
         score: (N,) float64, what the selector orders by (sq_distance for ``peripheral`` and
-            ``core``, IFD for ``ifd``, the best cosine to a target for ``rds``), nan where it
+            ``core``, IFD for ``ifd``, the best cosine to a target for ``rds``, the kept share
+            of the sample's trajectory cluster for ``s2l``), nan where it
             has none (random orders, samples ``ifd`` cannot score); None when not recorded.
         cost: what the selection cost (:class:`SelectionCost`), None when not recorded.
     """

@@ -1,0 +1,133 @@
+"""s2l (SmallToLarge, Yang et al. 2024): Algorithm 1's balanced draw on hand-checked cluster
+sizes, k-means on trajectories that separate two obvious groups, the token-balanced variant and
+the errors."""
+
+import numpy as np
+import pytest
+
+from cluster_pipeline.selection.selectors import (
+    REGISTRY,
+    SelectionInputs,
+    SelectionParams,
+    run_selector,
+    trains_a_proxy,
+)
+from cluster_pipeline.selection.selectors.s2l import balanced_sampling, trajectory_clusters
+
+
+def _labels(sizes):
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def _kept_per_cluster(labels, selected, k):
+    return np.bincount(labels[selected], minlength=k).tolist()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "budget", "expected"),
+    [
+        # Ascending 2, 5, 9. R = 9: 9 // 3 = 3 > 2, the small one whole (R = 7); 7 // 2 = 3 of
+        # the 5 (R = 4); 4 // 1 = 4 of the 9.
+        ([2, 5, 9], 9, [2, 3, 4]),
+        # Ids out of size order: ascending 1 (id 1), 4 (id 2), 6 (id 3), 9 (id 0). R = 12:
+        # 12 // 4 = 3 > 1: 1 (R = 11); 11 // 3 = 3 of 4 (R = 8); 8 // 2 = 4 of 6 (R = 4); 4.
+        ([9, 1, 4, 6], 12, [4, 1, 3, 4]),
+        # A budget above the pool: every cluster whole.
+        ([2, 3], 10, [2, 3]),
+        # Equal sizes, budget 7 over 3: 7 // 3 = 2, 5 // 2 = 2, 3 // 1 = 3 (ties by id).
+        ([4, 4, 4], 7, [2, 2, 3]),
+    ],
+)
+def test_algorithm_1_takes_small_clusters_whole_and_spreads_the_rest(sizes, budget, expected):
+    labels = _labels(sizes)
+    order, selected = balanced_sampling(labels, budget, seed=0)
+    assert _kept_per_cluster(labels, selected, len(sizes)) == expected
+    # The order is a permutation whose first samples are exactly the kept ones.
+    assert sorted(order.tolist()) == list(range(len(labels)))
+    assert selected[order[: sum(expected)]].all() and not selected[order[sum(expected) :]].any()
+
+
+def test_the_draw_within_a_cluster_is_seeded():
+    labels = _labels([2, 5, 9])
+    a = balanced_sampling(labels, 9, seed=3)[1]
+    assert (balanced_sampling(labels, 9, seed=3)[1] == a).all()
+    draws = {tuple(np.flatnonzero(balanced_sampling(labels, 9, seed=s)[1])) for s in range(8)}
+    assert len(draws) > 1  # different seeds draw different members (the counts stay)
+
+
+def test_token_balance_spreads_tokens_small_clusters_first():
+    # Cluster 0: 2 x 10 tokens (20); cluster 1: 6 x 5 (30); cluster 2: 2 x 50 (100).
+    lengths = np.array([10, 10, 5, 5, 5, 5, 5, 5, 50, 50])
+    labels = _labels([2, 6, 2])
+    # R = 60: 60 // 3 = 20 tokens for cluster 0, both fit (R = 40); 40 // 2 = 20 for cluster 1:
+    # 4 samples (R = 20); 20 for cluster 2: its first sample (50) does not fit.
+    _, selected = balanced_sampling(labels, 60, seed=0, lengths=lengths)
+    assert _kept_per_cluster(labels, selected, 3) == [2, 4, 0]
+    assert int(lengths[selected].sum()) == 40
+
+
+# Three trajectory groups, far apart: falling losses, flat low losses, flat high losses.
+def _trajectories(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = np.array([[3.0, 2.0, 1.0], [0.5, 0.5, 0.5], [6.0, 6.0, 6.0]])
+    rows = np.repeat(shapes[: len(sizes)], sizes, axis=0)
+    return (rows + 0.01 * rng.standard_normal(rows.shape)).astype(np.float32)
+
+
+def test_k_means_on_trajectories_separates_two_obviously_different_groups():
+    trajectories = _trajectories([7, 5])
+    truth = _labels([7, 5])
+    groups = trajectory_clusters(trajectories, 2, seed=0)
+    # The same partition as the truth, whatever the cluster ids.
+    assert len(set(zip(groups.tolist(), truth.tolist(), strict=True))) == 2
+    assert len(set(groups[:7].tolist())) == 1 and groups[0] != groups[7]
+
+
+def test_s2l_through_the_registry_draws_algorithm_1_over_the_trajectory_clusters():
+    # K = 1 over N = 16: r = 9/16 gives the budget floor(r * 16) = 9; groups of 2, 5, 9.
+    trajectories = _trajectories([2, 5, 9])
+    inputs = SelectionInputs(np.zeros(16, dtype=np.int64), 1, loss_trajectories=trajectories)
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5625, s2l_clusters=3))
+    truth = _labels([2, 5, 9])
+    assert _kept_per_cluster(truth, result.selected, 3) == [2, 3, 4]
+    assert result.per_cluster == 9 and result.n_selected == 9
+    # Score: the kept share of the sample's trajectory cluster.
+    assert result.score is not None
+    np.testing.assert_allclose(result.score, np.repeat([1.0, 3 / 5, 4 / 9], [2, 5, 9]))
+    # The first 9 of the order are the kept ones; weights 1; random balanced shards.
+    assert set(np.flatnonzero(result.selection_rank < 9)) == set(np.flatnonzero(result.selected))
+    assert (result.weight == 1).all() and not REGISTRY["s2l"].clustered
+    assert trains_a_proxy("s2l") and not trains_a_proxy("ifd")
+
+
+def test_s2l_under_token_balance_cuts_at_the_global_token_budget():
+    # K = 2 clusters of the pool (8 samples each, 10 tokens a sample: L_c = 80); r = 0.5 gives
+    # B = 40 tokens per cluster and the global budget K B = 80 tokens. Trajectory groups of
+    # 2, 5, 9 samples (20, 50, 90 tokens): 80 // 3 = 26 tokens, group 0 whole (20, R = 60);
+    # 60 // 2 = 30: 3 samples of group 1 (R = 30); 30: 3 samples of group 2.
+    trajectories = _trajectories([2, 5, 9])
+    inputs = SelectionInputs(
+        np.array([0, 1] * 8, dtype=np.int64),
+        2,
+        lengths=np.full(16, 10),
+        response_tokens=np.full(16, 5),
+        loss_trajectories=trajectories,
+    )
+    result = run_selector(
+        "s2l", inputs, SelectionParams(r=0.5, balance="tokens", s2l_clusters=3)
+    )
+    assert _kept_per_cluster(_labels([2, 5, 9]), result.selected, 3) == [2, 3, 3]
+    assert result.balance == "tokens" and result.token_budget == 80
+    assert result.per_cluster == 8
+
+
+def test_s2l_refuses_what_it_cannot_select_from():
+    trajectories = _trajectories([2, 3])
+    inputs = SelectionInputs(np.zeros(5, dtype=np.int64), 1, loss_trajectories=trajectories)
+    with pytest.raises(ValueError, match="cannot make 6 trajectory clusters from 5 samples"):
+        run_selector("s2l", inputs, SelectionParams(r=1.0, s2l_clusters=6))
+    with pytest.raises(ValueError, match="needs loss_trajectories"):
+        run_selector("s2l", SelectionInputs(np.zeros(5, dtype=np.int64), 1), SelectionParams())
+    short = SelectionInputs(np.zeros(5, dtype=np.int64), 1, loss_trajectories=trajectories[:4])
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) for a pool of 5"):
+        run_selector("s2l", short, SelectionParams(s2l_clusters=2))
