@@ -247,6 +247,9 @@ class PeripheralSubsetsRecord(SelectionRecord):
     # A targeted selector's (rds) target set: its name or folder, and its embedded samples.
     selection_target: str | None = None
     selection_target_samples: int = 0
+    # s2l's proxy: its checkpoints whose losses are the trajectories, and their steps.
+    s2l_proxy_checkpoints: list[str] = field(default_factory=list)
+    s2l_checkpoint_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

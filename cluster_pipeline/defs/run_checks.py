@@ -21,7 +21,10 @@ span stages or need the data and the base model:
 - a targeted selector (``peripheral_subsets.selector: rds``) with a ``target`` that names a
   benchmark whose file is found or an existing folder
   (:func:`~cluster_pipeline.evaluation.targets.target_problem`; the file is looked for only
-  where the run's worker knows the data folder).
+  where the run's worker knows the data folder);
+- s2l's knobs (``peripheral_subsets.s2l_*``) only with ``selector: s2l``; ``s2l_steps`` a
+  multiple of ``s2l_checkpoints`` (a checkpoint every s2l_steps / s2l_checkpoints steps);
+  ``s2l_clusters`` at most the training pool N where N is known.
 
 A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined by ``; ``.
 """
@@ -44,7 +47,7 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
 from cluster_pipeline.evaluation.targets import target_problem
 from cluster_pipeline.models.loading import local_model
-from cluster_pipeline.selection.selectors import needs_targets
+from cluster_pipeline.selection.selectors import needs_targets, trains_a_proxy
 from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
 
@@ -175,6 +178,8 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
         problem = target_problem(subsets.target, facts.eval_folders or None)
         if problem is not None:
             problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
+    if subsets is not None:
+        problems += _s2l_rules(subsets, facts)
     if "eval_report" in configs and raw is not None and raw.heldout_fraction == 0:
         problems.append(
             f"raw_instructions.heldout_fraction = {raw.heldout_fraction}: "
@@ -191,6 +196,35 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
                     f"answer even for an empty question, so max_length must be >= "
                     f"{facts.min_length}"
                 )
+    return problems
+
+
+def _s2l_rules(subsets: Any, facts: RunFacts) -> list[str]:
+    """The problems of s2l's knobs (module docstring): given for another selector, a step
+    count that the checkpoints do not divide, more trajectory clusters than samples."""
+    from cluster_pipeline.defs.assets.peripheral_subsets import S2L_KNOBS
+
+    if not trains_a_proxy(subsets.selector):
+        return [
+            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to "
+            f"selector s2l only (the selector is {subsets.selector!r})"
+            for knob in S2L_KNOBS
+            if knob in subsets.model_fields_set
+        ]
+    problems = []
+    steps, checkpoints = subsets.s2l_steps, subsets.s2l_checkpoints
+    if steps % checkpoints:
+        problems.append(
+            f"peripheral_subsets.s2l_steps = {steps}: must be a multiple of s2l_checkpoints = "
+            f"{checkpoints} (the proxy saves a checkpoint every s2l_steps / s2l_checkpoints "
+            "steps)"
+        )
+    if facts.train_samples is not None and subsets.s2l_clusters > facts.train_samples:
+        where = f"dataset {facts.dataset!r}" if facts.dataset else "the dataset"
+        problems.append(
+            f"peripheral_subsets.s2l_clusters = {subsets.s2l_clusters}: more trajectory "
+            f"clusters than the {facts.train_samples} training samples of {where}; lower it"
+        )
     return problems
 
 

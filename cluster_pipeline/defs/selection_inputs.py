@@ -4,9 +4,13 @@ says it needs beyond them: the pool's representations from the ``proxy_embedding
 clustering read, and the outputs of the selector's own passes, run as the embedding pass runs
 (``embedding_passes``: torchrun, data-parallel over the pool pass's world size, cached per
 sample) under the pool pass's model and settings: the target set of ``rds``, the
-unconditioned pass of ``ifd`` (the pool's responses without their prompts). Everything that
-can be refused (a missing target set, a benchmark file not found, a pool pass recorded before
-its settings were) is refused before a pass starts.
+unconditioned pass of ``ifd`` (the pool's responses without their prompts), and for ``s2l`` a
+proxy run (the pool pass's base model trained briefly on the whole pool, under torchrun with the
+pool pass's world size, ``recipes/train.py``; reused when finished, resumed when killed;
+training/proxy.py) followed by one loss pass under each of its T checkpoints (the embedding
+pass with the checkpoint as its model; its ``mean_loss`` is the loss). Everything that can be
+refused (a missing target set, a benchmark file not found, a pool pass recorded before its
+settings were, a proxy that would not fit in memory) is refused before a pass starts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dagster as dg
 import numpy as np
 import polars as pl
 
+from cluster_pipeline.data.datasets import samples_fingerprint
 from cluster_pipeline.defs.embedding_passes import CachedPass, pass_cache_key, run_cached_pass
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -25,32 +30,56 @@ from cluster_pipeline.defs.records import (
     pinned_record,
 )
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
+from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.evaluation.targets import target_samples
+from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.selection.embedding import l2_normalise
 from cluster_pipeline.selection.selectors import REGISTRY, PassCost, SelectionInputs
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
+    PASS_S2L_LOSS,
+    PASS_S2L_PROXY,
     PASS_TARGETS,
     PASS_UNCONDITIONED,
 )
+from cluster_pipeline.selection.sharding import manifest_set_hash
 from cluster_pipeline.storage.embedding_cache import CacheUnreadable
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
-from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS, SELECTION_TARGETS
+from cluster_pipeline.storage.names import (
+    PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
+    S2L_TRAJECTORIES,
+    SELECTION_TARGETS,
+)
 from cluster_pipeline.storage.tables import TableRef, series_to_matrix, write_table
-from cluster_pipeline.training.config import EmbedSettings
+from cluster_pipeline.training.checkpointing import finished_for
+from cluster_pipeline.training.config import EmbedSettings, TrainJob
+from cluster_pipeline.training.memory import TrainingMemoryError
+from cluster_pipeline.training.preflight import check_training_fits, checkpoint_folder
+from cluster_pipeline.training.proxy import (
+    ProxyCheckpoint,
+    ProxyRun,
+    proxy_checkpoints,
+    proxy_cost,
+    proxy_settings,
+    proxy_shards,
+)
 
 
 @dataclass(frozen=True)
 class GatheredInputs:
     """The selector's inputs, plus what the record says about them: the target set's name and
-    its embedded samples (rds), the tables of the selector's own passes (added to the record's
-    ``inputs``), and the wall seconds those passes took in this run."""
+    its embedded samples (rds), the proxy's checkpoints and their steps (s2l), the tables of the
+    selector's own passes (added to the record's ``inputs``), and the wall seconds those passes
+    took in this run."""
 
     inputs: SelectionInputs
     target: str | None = None
     target_samples: int = 0
     tables: dict[str, TableRef] = field(default_factory=dict)
     pass_wall_seconds: float = 0.0
+    proxy_checkpoints: tuple[str, ...] = ()
+    proxy_steps: tuple[int, ...] = ()
 
 
 def _column(rows: pl.DataFrame, frame: pl.DataFrame, column: str) -> np.ndarray:
@@ -80,13 +109,16 @@ def gather_inputs(
     pipes_subprocess_client: dg.PipesSubprocessClient,
     clusters: BalancedClustersRecord,
     frame: pl.DataFrame,
+    proxy: ProxyRun | None = None,
 ) -> GatheredInputs:
     """The inputs of ``selector`` for the clustered pool ``frame`` (columns sample_id, cluster,
-    sq_distance, n_tokens, n_response_tokens; table order), running its own passes.
+    sq_distance, n_tokens, n_response_tokens; table order), running its own passes; ``proxy``:
+    s2l's proxy run (needed when the selector trains one).
 
     Raises:
-        dagster.Failure: the target set cannot be read, its pass failed, or the pool pass
-            lacks what the selector needs (each message names the dataset).
+        dagster.Failure: the target set cannot be read, its pass failed, the proxy would not fit
+            or its run failed, or the pool pass lacks what the selector needs (each message
+            names the dataset).
     """
     spec = REGISTRY[selector]
     embeddings = clusters.inputs[PROXY_EMBEDDINGS]
@@ -116,6 +148,14 @@ def gather_inputs(
         alone = _unconditioned(context, storage, torchrun, pipes_subprocess_client, pool, frame)
         unconditioned = _column(alone.rows, frame, "mean_loss")
         passes.append(alone.cost(PASS_UNCONDITIONED))
+    s2l: _Trajectories | None = None
+    if PASS_S2L_PROXY in spec.passes:
+        if proxy is None:
+            raise dg.Failure(description=f"{context.partition_key}: s2l needs its proxy's knobs")
+        s2l = _s2l_trajectories(
+            context, storage, torchrun, pipes_subprocess_client, pool, frame, proxy
+        )
+        passes.extend(s2l.costs)
     wall = time.perf_counter() - start
     inputs = SelectionInputs(
         labels=frame["cluster"].to_numpy(),
@@ -127,8 +167,17 @@ def gather_inputs(
         mean_loss=mean_loss,
         unconditioned_loss=unconditioned,
         targets=targets.vectors if targets else None,
+        loss_trajectories=s2l.trajectories if s2l else None,
         passes=tuple(passes),
     )
+    if s2l is not None:
+        return GatheredInputs(
+            inputs,
+            tables={S2L_TRAJECTORIES: s2l.table},
+            pass_wall_seconds=wall,
+            proxy_checkpoints=tuple(str(c.path) for c in s2l.checkpoints),
+            proxy_steps=tuple(c.step for c in s2l.checkpoints),
+        )
     if targets is None:
         return GatheredInputs(inputs, pass_wall_seconds=wall)
     return GatheredInputs(
@@ -234,3 +283,149 @@ def _unconditioned(
         )
     except (CacheUnreadable, FileNotFoundError) as e:
         raise dg.Failure(description=f"{dataset}: ifd unconditioned pass: {e}") from e
+
+
+@dataclass(frozen=True)
+class _Trajectories:
+    """s2l's inputs: the (N, T) float32 loss trajectories, the cost of the proxy run and of each
+    loss pass (step order), the proxy's T checkpoints and the trajectories' table."""
+
+    trajectories: np.ndarray
+    costs: tuple[PassCost, ...]
+    checkpoints: tuple[ProxyCheckpoint, ...]
+    table: TableRef
+
+
+def _s2l_trajectories(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+    frame: pl.DataFrame,
+    proxy: ProxyRun,
+) -> _Trajectories:
+    """s2l's passes: the proxy run over the clustered pool ``frame`` (training/proxy.py),
+    then one loss pass per checkpoint, cached per sample under the checkpoint's own key; each
+    sample's ``mean_loss`` under checkpoint t is entry t of its trajectory."""
+    dataset, layout = context.partition_key, storage.layout
+    settings = _pool_settings(pool, dataset)
+    checkpoints, proxy_pass = _proxy_run(
+        context, storage, torchrun, pipes_subprocess_client, pool, frame, proxy, settings
+    )
+    sample_ids = frame["sample_id"].to_list()
+    columns, costs = [], [proxy_pass]
+    for ckpt in checkpoints:
+        cache_dir = layout.embedding_cache_dir(
+            dataset, pass_cache_key(str(ckpt.path), settings, PASS_S2L_LOSS)
+        )
+        try:
+            done = run_cached_pass(
+                context,
+                storage,
+                torchrun,
+                pipes_subprocess_client,
+                table=pool.inputs[RAW_INSTRUCTIONS],
+                sample_ids=sample_ids,
+                model_path=str(ckpt.path),
+                settings=settings,
+                cache_dir=cache_dir,
+                world_size=pool.world_size,
+                label=f"s2l loss pass, proxy step {ckpt.step}",
+            )
+        except (CacheUnreadable, FileNotFoundError) as e:
+            raise dg.Failure(
+                description=f"{dataset}: s2l loss pass at step {ckpt.step}: {e}"
+            ) from e
+        columns.append(_column(done.rows, frame, "mean_loss"))
+        costs.append(done.cost(PASS_S2L_LOSS))
+    trajectories = np.stack(columns, axis=1).astype(np.float32)
+    table = write_table(
+        pl.DataFrame(
+            {"sample_id": sample_ids, "loss_trajectory": trajectories.tolist()},
+            schema={"sample_id": pl.String, "loss_trajectory": pl.List(pl.Float32)},
+        ),
+        layout.table_uri(S2L_TRAJECTORIES, dataset),
+        guard=storage.guard,
+    )
+    return _Trajectories(trajectories, tuple(costs), tuple(checkpoints), table)
+
+
+def _proxy_run(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+    frame: pl.DataFrame,
+    proxy: ProxyRun,
+    embed: EmbedSettings,
+) -> tuple[list[ProxyCheckpoint], PassCost]:
+    """Train s2l's proxy (or reuse the finished run of the same shards, data, model and
+    settings; a killed run resumes from its latest checkpoint) and return its T checkpoints
+    and its cost."""
+    dataset, layout = context.partition_key, storage.layout
+    model_path = pool.base_model
+    recheck_settings(context, layout, model_path, torchrun.agents)  # before any model loads
+    instructions = pool.inputs[RAW_INSTRUCTIONS]
+    sample_ids = frame["sample_id"].to_numpy()
+    try:
+        allocation = proxy_shards(
+            dataset, sample_ids, frame["n_tokens"].to_numpy(), pool.world_size
+        )
+        settings = proxy_settings(embed, proxy, allocation)
+        check_training_fits(
+            model_path, settings, pool.world_size, torchrun.agents, torchrun.launcher == "slurm"
+        )
+    except (ValueError, TrainingMemoryError) as e:
+        raise dg.Failure(description=f"{dataset}: s2l proxy: {e}") from e
+    set_hash = manifest_set_hash(allocation.manifests)
+    root = layout.proxies_dir(dataset)
+    paths = [str(m.write(root / "shards" / set_hash[:16])) for m in allocation.manifests]
+    data = samples_fingerprint(instructions.uri, instructions.version, set(sample_ids.tolist()))
+    output_dir = checkpoint_folder(root, set_hash, model_path, data, settings)
+    hashes = [m.sha256 for m in allocation.manifests]
+    trained_now = finished_for(output_dir, hashes) is None
+    if trained_now:
+        job = TrainJob(
+            settings=settings,
+            model_path=model_path,
+            instructions_uri=instructions.uri,
+            instructions_version=instructions.version,
+            manifests=paths,
+            output_dir=str(output_dir),
+            provenance={"dataset": dataset, "purpose": "s2l proxy", "steps": proxy.steps},
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        job_file = job.dump(root / f"{output_dir.name}.job.json")
+        context.log.info(
+            f"s2l proxy: training {model_path} on all {len(sample_ids)} samples for "
+            f"{proxy.steps} steps on {pool.world_size} rank(s), a checkpoint every "
+            f"{proxy.every} steps, into {output_dir}"
+        )
+        torchrun.run(
+            context,
+            pipes_subprocess_client,
+            RECIPES["train"],
+            pool.world_size // torchrun.agents,
+            job_file,
+        )
+    else:
+        context.log.info(f"s2l proxy: reusing the finished run {output_dir}")
+    checkpoints = proxy_checkpoints(output_dir)
+    steps = [c.step for c in checkpoints]
+    want = [proxy.every * (t + 1) for t in range(proxy.checkpoints)]
+    if steps != want:
+        raise dg.Failure(
+            description=f"{dataset}: the s2l proxy run {output_dir} holds checkpoints at steps "
+            f"{steps}, expected {want}"
+        )
+    cost = proxy_cost(output_dir, trained_now)
+    return checkpoints, PassCost(
+        PASS_S2L_PROXY,
+        samples=cost.samples,
+        tokens=cost.tokens,
+        seconds=cost.seconds,
+        backward=cost.samples,
+        run_now=cost.run_now,
+    )

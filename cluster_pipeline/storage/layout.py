@@ -9,6 +9,7 @@
     <data>/cache/embeddings/<dataset>/<key>/  resumable chunks of an embedding pass
     <data>/shards/<dataset>/<hash[:16]>/      shard manifests, a folder per content hash
     <data>/checkpoints/<dataset>/<name>/      fine-tuned checkpoints (see training/checkpointing.py)
+    <data>/proxies/<dataset>/                 s2l's proxy runs, manifests and checkpoints
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
     <data>/locks/<dataset>.lock, .json        the partition's run lock and its holder
 
@@ -97,6 +98,11 @@ class DataLayout:
     def checkpoints_dir(self, dataset: str) -> Path:
         """The checkpoints of ``dataset``, one folder each."""
         return self.root / "checkpoints" / storage_name(dataset)
+
+    def proxies_dir(self, dataset: str) -> Path:
+        """s2l's proxy runs of ``dataset``: their shard manifests and checkpoints (kept apart
+        from ``checkpoints/``, which holds the fine-tuned models the report compares)."""
+        return self.root / "proxies" / storage_name(dataset)
 
     def reports_dir(self, dataset: str) -> Path:
         """``eval_report``'s Markdown, JSON and plots for ``dataset``."""

@@ -7,6 +7,7 @@ BALANCED_CLUSTERS = "balanced_clusters"
 CLUSTER_CENTROIDS = "cluster_centroids"  # written by balanced_clusters
 PERIPHERAL_SUBSETS = "peripheral_subsets"
 SELECTION_TARGETS = "selection_targets"  # written by peripheral_subsets (rds's target set)
+S2L_TRAJECTORIES = "s2l_trajectories"  # written by peripheral_subsets (s2l's loss trajectories)
 SHARD_MANIFESTS = "shard_manifests"
 TRAINED_CHECKPOINT = "trained_checkpoint"
 EVAL_REPORT = "eval_report"

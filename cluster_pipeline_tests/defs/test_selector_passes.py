@@ -6,6 +6,7 @@ the cost record counts every forward pass."""
 from collections import Counter
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pytest
 
@@ -150,3 +151,74 @@ def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(tiny_data_dir, t
         conditioned = emb.filter(pl.col("sample_id") == top["sample_id"])["mean_loss"][0]
         assert conditioned == pytest.approx(loss(sample), rel=1e-4)
         assert top["score"] == pytest.approx(loss(sample) / loss(alone), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_s2l_trains_a_proxy_and_selects_on_its_loss_trajectories(tiny_data_dir, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster_pipeline.data.tokenization import encode_sample
+
+    res = resources(tiny_data_dir, tiny_model_dir)
+    s2l = {"selector": "s2l", "s2l_steps": 4, "s2l_checkpoints": 2, "s2l_clusters": 3}
+    config = run_config_for(
+        [*CHAIN, *SELECTION], proxy_embeddings={"world_size": 2}, peripheral_subsets=s2l
+    )
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        result = materialize_partition([*CHAIN, *SELECTION], instance, res, run_config=config)
+        assert result.success
+        subsets = read(instance, "peripheral_subsets")
+        n = subsets.height
+        m = meta(instance, "peripheral_subsets")
+        # The proxy (4 steps on 2 ranks, a checkpoint every 2), then a loss pass per checkpoint.
+        assert [p["name"] for p in m["selection_passes"]] == ["s2l_proxy", "s2l_loss", "s2l_loss"]
+        assert m["s2l_checkpoint_steps"] == [2, 4]
+        proxy = m["selection_passes"][0]
+        assert proxy["samples"] > 0 and proxy["backward"] == proxy["samples"]
+        assert proxy["run_now"] == proxy["samples"]
+        assert m["backward_passes"] == proxy["samples"]
+        assert m["forward_passes"] == proxy["samples"] + 2 * n
+        assert all(p["run_now"] == n for p in m["selection_passes"][1:])
+        # Algorithm 1 over 3 trajectory clusters, up to the global budget; weight 1, random
+        # balanced shards holding every selected sample once.
+        assert subsets["score"].null_count() == 0 and (subsets["weight"] == 1.0).all()
+        assert (subsets["score"] > 0).all() and (subsets["score"] <= 1).all()
+        shards = read(instance, "shard_manifests")
+        assert Counter(shards["sample_id"]) == Counter(
+            subsets.filter(pl.col("selected"))["sample_id"]
+        )
+        assert (shards["weight"] == 1.0).all()
+        assert all(c.passed for c in result.get_asset_check_evaluations())
+
+        # Each trajectory entry is the sample's mean response loss under that checkpoint,
+        # computed here directly with transformers.
+        ref = m["inputs"]["s2l_trajectories"]
+        trajectories = pl.read_delta(ref["uri"], version=ref["version"])
+        assert trajectories["sample_id"].to_list() == subsets["sample_id"].to_list()
+        raw = read(instance, "raw_instructions")
+        picked = trajectories.head(3).join(raw, on="sample_id", maintain_order="left")
+        for t, path in enumerate(m["s2l_proxy_checkpoints"]):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            for row in picked.iter_rows(named=True):
+                s = encode_sample(tokenizer, row["system"], row["prompt"], row["response"], 64)
+                with torch.no_grad():
+                    out = model(
+                        input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels])
+                    )
+                assert row["loss_trajectory"][t] == pytest.approx(float(out.loss), abs=1e-5)
+        # The two checkpoints differ: the proxy trained.
+        first, last = np.array(trajectories["loss_trajectory"].to_list()).T
+        assert not np.allclose(first, last)
+
+        # Again, same settings: the proxy is reused, not retrained, and the losses are cached.
+        again_run = materialize_partition(
+            SELECTION, instance, res, run_config=run_config_for(SELECTION, peripheral_subsets=s2l)
+        )
+        assert again_run.success
+        again = meta(instance, "peripheral_subsets")
+        assert [p["run_now"] for p in again["selection_passes"]] == [0, 0, 0]
+        assert again["s2l_proxy_checkpoints"] == m["s2l_proxy_checkpoints"]
+        assert read(instance, "peripheral_subsets")["selected"].equals(subsets["selected"])

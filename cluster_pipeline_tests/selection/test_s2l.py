@@ -113,9 +113,7 @@ def test_s2l_under_token_balance_cuts_at_the_global_token_budget():
         response_tokens=np.full(16, 5),
         loss_trajectories=trajectories,
     )
-    result = run_selector(
-        "s2l", inputs, SelectionParams(r=0.5, balance="tokens", s2l_clusters=3)
-    )
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5, balance="tokens", s2l_clusters=3))
     assert _kept_per_cluster(_labels([2, 5, 9]), result.selected, 3) == [2, 3, 3]
     assert result.balance == "tokens" and result.token_budget == 80
     assert result.per_cluster == 8

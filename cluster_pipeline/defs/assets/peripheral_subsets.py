@@ -27,14 +27,20 @@ from cluster_pipeline.selection.selectors import (
     describe,
     per_cluster_summary,
     run_selector,
+    trains_a_proxy,
 )
-from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING
+from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, S2L_CLUSTERS
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_table
+from cluster_pipeline.training.proxy import ProxyRun
+
+# The s2l knobs (refused for the other selectors: defs/run_checks.py).
+S2L_KNOBS = ("s2l_steps", "s2l_checkpoints", "s2l_clusters", "s2l_learning_rate")
 
 
 class PeripheralSubsetsConfig(dg.Config):
-    """The selection knobs of a run: selector, ratio r, balance and seed."""
+    """The selection knobs of a run: selector, ratio r, balance and seed; a targeted selector's
+    target set (rds) and s2l's proxy run and trajectory clusters."""
 
     selector: Selector = Field(default="peripheral", description=describe())
     ratio: float = Field(
@@ -65,6 +71,39 @@ class PeripheralSubsetsConfig(dg.Config):
         description="rds only: at most this many target samples (a benchmark's first N items, "
         "a folder's first N distinct samples).",
     )
+    s2l_steps: int = Field(
+        default=8,
+        ge=1,
+        description="s2l only: optimizer steps of the proxy run (the base model trained on the "
+        "whole clustered pool, under torchrun with proxy_embeddings' world size, the project's "
+        "training batch sizes); a multiple of s2l_checkpoints. Sized for a CPU: the paper "
+        "trains its proxy for 3 epochs.",
+    )
+    s2l_checkpoints: int = Field(
+        default=4,
+        ge=2,
+        description="s2l only: T, the proxy checkpoints (every s2l_steps / T steps) whose "
+        "per-sample losses make each sample's loss trajectory; one loss pass over the pool "
+        "each.",
+    )
+    s2l_clusters: int = Field(
+        default=S2L_CLUSTERS,
+        ge=1,
+        description="s2l only: k-means clusters of the loss trajectories (the paper's 100), at "
+        "most the pool size; the budget is drawn evenly across them, small ones whole.",
+    )
+    s2l_learning_rate: float = Field(
+        default=1e-4,
+        gt=0.0,
+        description="s2l only: peak AdamW learning rate of the proxy run (the project's "
+        "training default; the paper's 2e-5 moves a short run's losses little).",
+    )
+
+    def proxy_run(self) -> ProxyRun | None:
+        """s2l's proxy run (None for the other selectors)."""
+        if not trains_a_proxy(self.selector):
+            return None
+        return ProxyRun(self.s2l_steps, self.s2l_checkpoints, self.s2l_learning_rate)
 
 
 # proxy_embeddings: the PCA map of the selected samples reads the embeddings that were clustered.
@@ -93,6 +132,11 @@ def peripheral_subsets(
         how="left",
         maintain_order="left",
     )
+    if trains_a_proxy(config.selector) and config.s2l_clusters > frame.height:
+        raise dg.Failure(
+            description=f"{dataset}: peripheral_subsets.s2l_clusters = {config.s2l_clusters}: "
+            f"more trajectory clusters than the {frame.height} clustered samples; lower it"
+        )
     gathered = gather_inputs(
         context,
         config.selector,
@@ -103,8 +147,9 @@ def peripheral_subsets(
         pipes_subprocess_client,
         clusters,
         frame,
+        config.proxy_run(),
     )
-    params = SelectionParams(config.ratio, config.seed, config.balance)
+    params = SelectionParams(config.ratio, config.seed, config.balance, config.s2l_clusters)
     try:
         result = run_selector(config.selector, gathered.inputs, params)
     except ValueError as e:
@@ -188,6 +233,8 @@ def _record(
         selection_passes=[p.to_dict() for p in cost.passes],
         selection_target=gathered.target,
         selection_target_samples=gathered.target_samples,
+        s2l_proxy_checkpoints=list(gathered.proxy_checkpoints),
+        s2l_checkpoint_steps=list(gathered.proxy_steps),
     )
 
 

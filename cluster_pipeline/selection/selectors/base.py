@@ -5,9 +5,10 @@ A selector is a function ``(SelectionInputs, SelectionParams) -> SelectionResult
 as a :class:`SelectorSpec` (``selection/selectors/__init__.py``). The inputs are per-sample
 columns of the clustered pool (N rows, in the ``balanced_clusters`` table's order) plus what a
 selector's own model passes produced (the target set's embeddings for ``rds``, the
-unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``); a spec names the inputs it reads (``needs``) and the model
-passes they come from (``passes``), so the caller runs only the passes the chosen selector
-needs and refuses a selector whose inputs are missing before anything runs.
+unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``); a spec names the
+inputs it reads (``needs``) and the model passes they come from (``passes``), so the caller
+runs only the passes the chosen selector needs and refuses a selector whose inputs are missing
+before anything runs.
 
 Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, and token totals
 ``L_c = sum_{i in c} l_i`` (l_i the sample's tokens, prompt and response):
@@ -17,9 +18,10 @@ Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, an
     global (unclustered):         K * keep samples, or K * B tokens
 
 (``r * m`` and ``r * L`` rounded to 9 decimals before the floor.) The global budget is what a
-cluster selector at the same r keeps in all, so ``random_global``, ``rds`` and ``ifd`` are
-compared with ``peripheral`` at equal data (``s2l`` too). Under token balance a global order is cut at the
-longest prefix whose tokens stay within K * B (at least one sample).
+cluster selector at the same r keeps in all, so ``random_global``, ``rds``, ``ifd`` and
+``s2l`` are compared with ``peripheral`` at equal data. Under token balance a global order is
+cut at the longest prefix whose tokens stay within K * B (at least one sample; ``s2l`` spreads
+the K * B tokens over its trajectory clusters instead, ``s2l.py``).
 
 Weights (step 5): ``w_c = n_c K / N`` (sample balance) or ``w_c = K R_c / R`` (token balance,
 R_c the cluster's response tokens), for the re-weighted selectors; 1 for the others.
