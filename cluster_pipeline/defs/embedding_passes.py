@@ -3,8 +3,9 @@ torchrun job (``recipes/embed.py``) over the samples a per-sample cache folder l
 into the cache, then the cached rows of every sample asked for, in order.
 
 ``proxy_embeddings`` runs it over the pool. ``peripheral_subsets`` runs it for a selector's
-own inputs under the pool's model and settings: the target set of ``rds`` (``kind="targets"``)
-and the response-only inputs of ``ifd`` (``kind="unconditioned"``). Each kind has its own
+own inputs under the pool's model and settings: the target set of ``rds`` (``kind="targets"``),
+the response-only inputs of ``ifd`` (``kind="unconditioned"``) and ``s2l``'s loss pass under
+each proxy checkpoint (``kind="s2l_loss"``, the checkpoint as the model). Each kind has its own
 cache folder (the kind is part of the key), so a selector's pass is paid once per sample and
 model, as the pool's is, and the pool's cache keeps counting only pool passes.
 """

@@ -115,7 +115,12 @@ BOUNDS = [
         "peripheral_subsets",
         {"ratoi": 0.5},
         "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance, "
-        "target, target_size",
+        "target, target_size, s2l_steps, s2l_checkpoints, s2l_clusters, s2l_learning_rate",
+    ),
+    (
+        "peripheral_subsets",
+        {"selector": "s2l", "s2l_checkpoints": 1},
+        "s2l_checkpoints = 1: Input should be greater than or equal to 2",
     ),
 ]
 
@@ -200,6 +205,28 @@ RULES = [
         "peripheral_subsets.target = 'mbpp': benchmark 'mbpp' reads mbpp_reworded.json, found "
         "in none of /no/eval",
     ),
+    (  # s2l's knobs: only with s2l, the checkpoints dividing the steps, clusters <= N.
+        {"peripheral_subsets": {"s2l_steps": 6, "s2l_clusters": 5}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.s2l_steps = 6: applies to selector s2l only (the selector is "
+        "'peripheral'); peripheral_subsets.s2l_clusters = 5: applies to selector s2l only (the "
+        "selector is 'peripheral')",
+    ),
+    (
+        {"peripheral_subsets": {"selector": "s2l", "s2l_steps": 6, "s2l_checkpoints": 4}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.s2l_steps = 6: must be a multiple of s2l_checkpoints = 4 (the proxy "
+        "saves a checkpoint every s2l_steps / s2l_checkpoints steps)",
+    ),
+    (
+        {"peripheral_subsets": {"selector": "s2l"}},
+        ["peripheral_subsets"],
+        RunFacts(dataset="tiny", train_samples=57),
+        "peripheral_subsets.s2l_clusters = 100: more trajectory clusters than the 57 training "
+        "samples of dataset 'tiny'; lower it",
+    ),
     (
         {"proxy_embeddings": {"max_length": 8}, "eval_report": {"max_length": 12}},
         STAGES,
@@ -241,6 +268,10 @@ def test_what_the_rules_allow():
     for target in ("humaneval", "/"):
         check_stages(_config("peripheral_subsets", selector="rds", target=target), STAGES)
     check_stages(_config("peripheral_subsets", target="/no/such/folder"), STAGES)
+    # s2l with its defaults, or steps the checkpoints divide, and clusters up to N.
+    s2l = {"selector": "s2l", "s2l_steps": 6, "s2l_checkpoints": 3, "s2l_clusters": 57}
+    check_stages(_config("peripheral_subsets", **s2l), STAGES, RunFacts(train_samples=57))
+    check_stages(_config("peripheral_subsets", selector="s2l"), STAGES)
     # Stages outside the run are not checked by the rules (nor their absent config).
     check_stages(_config("balanced_clusters", num_clusters=100), ["proxy_embeddings"])
 
