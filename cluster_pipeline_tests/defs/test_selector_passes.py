@@ -191,6 +191,9 @@ def test_s2l_trains_a_proxy_and_selects_on_its_loss_trajectories(tiny_data_dir, 
         )
         assert (shards["weight"] == 1.0).all()
         assert all(c.passed for c in result.get_asset_check_evaluations())
+        # The proxy's training reports to Pipes; the stage still records one materialization.
+        events = instance.fetch_materializations(dg.AssetKey("peripheral_subsets"), limit=10)
+        assert len(events.records) == 1
 
         # Each trajectory entry is the sample's mean response loss under that checkpoint,
         # computed here directly with transformers.
