@@ -46,8 +46,9 @@ def test_allocation_properties(clustering, selector, r):
         # Every IFD below 1, so ifd keeps its whole budget.
         mean_loss=rng.uniform(0.1, 1.0, len(labels)),
         unconditioned_loss=rng.uniform(1.0, 2.0, len(labels)),
+        loss_trajectories=rng.uniform(0.5, 3.0, (len(labels), 3)).astype(np.float32),
     )
-    sel = run_selector(selector, inputs, SelectionParams(r, seed))
+    sel = run_selector(selector, inputs, SelectionParams(r, seed, s2l_clusters=2))
     alloc = allocate("ds", ids, labels, sel, k, seed)
     ms = alloc.manifests
     # Every shard has the same count.
