@@ -1,8 +1,8 @@
 """The main job, one per size profile, and the selection job.
 
 ``main_job`` runs all seven stages for one dataset partition with the default size profile,
-``cpu_quick`` (:mod:`cluster_pipeline.defs.profiles`): N = 400 training samples, max length 256
-tokens, K = 2, r = 0.5, one epoch, 150 held-out samples and the first 12 HumanEval and 12 MBPP
+``cpu_quick`` (:mod:`cluster_pipeline.defs.profiles`): N = 300 training samples, max length 256
+tokens, K = 2, r = 0.5, one epoch, 100 held-out samples and the first 8 HumanEval and 8 MBPP
 problems, about 12 minutes on 2 idle CPU cores on ``python_stdlib``. Its launchpad shows that
 config; ``make run`` executes the job with it. ``main_job_<profile>`` does the same with another
 profile's sizes (``main_job_gpu8``: one node of 8 GPUs).

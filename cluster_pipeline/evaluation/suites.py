@@ -638,9 +638,9 @@ class EvalSettings(SequenceSettings, PackingSettings):
         "humaneval + mbpp for python_stdlib.",
     )
     humaneval_problems: int = Field(
-        default=12, ge=0, le=164, description="First N HumanEval problems (0 = none; all 164)."
+        default=8, ge=0, le=164, description="First N HumanEval problems (0 = none; all 164)."
     )
-    mbpp_problems: int = Field(default=12, ge=0, description="First N MBPP-style problems.")
+    mbpp_problems: int = Field(default=8, ge=0, description="First N MBPP-style problems.")
     mmlu_questions: int = Field(
         default=200, ge=0, description="MMLU questions (a seeded sample over the chosen topics)."
     )

@@ -82,7 +82,7 @@ def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
     assert _op_configs(main, {}) == _op_configs(main, profile_run_config("cpu_quick"))
     # The sizes README.md and the job's docstring state.
     ops = profile_run_config("cpu_quick")["ops"]
-    assert ops["raw_instructions"]["config"] == {"max_train_samples": 400, "max_heldout": 150}
+    assert ops["raw_instructions"]["config"] == {"max_train_samples": 300, "max_heldout": 100}
     assert ops["proxy_embeddings"]["config"]["max_length"] == 256
     assert ops["balanced_clusters"]["config"]["num_clusters"] == 2
     assert ops["peripheral_subsets"]["config"] == {
@@ -96,7 +96,7 @@ def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
     assert (train["gradient_accumulation_steps"], train["epochs"]) == (2, 1)
     assert train["learning_rate"] == 1e-4
     evaluation = ops["eval_report"]["config"]
-    assert (evaluation["humaneval_problems"], evaluation["mbpp_problems"]) == (12, 12)
+    assert (evaluation["humaneval_problems"], evaluation["mbpp_problems"]) == (8, 8)
     assert evaluation["max_new_tokens"] == 200
 
 
