@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -15,11 +16,20 @@ from cluster_pipeline.launch.fate import RunGuard, bind_step
 from cluster_pipeline.launch.torchrun import (
     failure_summary,
     rank_failures,
+    rank_threads,
     signal_cause,
     torchrun_command,
 )
 from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
+
+# Dagster's own Pipes session reads a preview property of its message readers and warns about
+# it at every launch, a warning users cannot act on; only that one is silenced.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Function `PipesMessageReader\.expected_writer_count` is currently in preview",
+    category=dg.PreviewWarning,
+)
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
 PARTITION_TAG = "dagster/partition"
@@ -199,7 +209,12 @@ class TorchrunResource(dg.ConfigurableResource):
             process = subprocess.Popen(
                 command,
                 cwd=pipes_client.cwd,
-                env={**os.environ, **pipes_client.env, **session.get_bootstrap_env_vars()},
+                env={
+                    **rank_threads(nproc_per_node),
+                    **os.environ,
+                    **pipes_client.env,
+                    **session.get_bootstrap_env_vars(),
+                },
             )
             try:
                 code = process.wait()

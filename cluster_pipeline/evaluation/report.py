@@ -400,6 +400,13 @@ class Report:
     full_training_seconds: float
     full_training_measured: bool
 
+    @property
+    def headline(self) -> str:
+        """The report's first statement (the net time saved and what it is made of), one
+        line; empty for a report without one."""
+        lines = [ln for ln in self.summary.splitlines() if ln.strip() and not ln.startswith("#")]
+        return lines[0] if lines else ""
+
     def markdown(self) -> str:
         """The standalone report: summary plus the plots as sibling PNG files."""
         return self.summary + "\n" + "\n".join(f"![{n}]({n})" for n in self.pngs) + "\n"

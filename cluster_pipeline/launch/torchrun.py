@@ -9,6 +9,7 @@ with ``--log-dir``/``--tee`` and :func:`failure_summary` names the rank that fai
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -77,6 +78,16 @@ def torchrun_command(
     if log_dir is not None:
         launcher += [f"--log-dir={log_dir}", "--redirects=3", "--tee=3"]
     return [*launcher, f"--nproc_per_node={nproc_per_node}", "-m", module, *args]
+
+
+def rank_threads(nproc_per_node: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for ranks sharing this machine: its CPUs (the ones this process may
+    run on) divided over ``nproc_per_node`` ranks, at least 1. torchrun sets 1 when it is unset
+    and ``nproc_per_node`` > 1, with a banner in every run's log; an explicit value (the
+    caller's environment wins over this) sets the same for 2 ranks on 2 cores and lets ranks
+    of a larger machine use its cores."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) // max(1, nproc_per_node)))}
 
 
 def rank_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:

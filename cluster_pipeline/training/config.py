@@ -61,7 +61,7 @@ class EmbedJob(JobFile):
     # without its prompt, so ``mean_loss`` is the response's loss alone.
     response_only: bool = False
     lm_head_chunk_rows: int = Field(default=1024, ge=1)
-    progress_every_s: float = Field(default=5.0, gt=0)
+    progress_every_s: float = Field(default=30.0, gt=0)
 
 
 class TrainSettings(_Model, SequenceSettings, PackingSettings):

@@ -131,6 +131,11 @@ def run_entry_point(
     parser.add_argument("--config", required=True, help=f"{job_cls.__name__} JSON file")
     args = parser.parse_args(argv)
     job = job_cls.load(args.config)
+    # Every rank would print transformers' "Loading weights" bar into the run's logs, several
+    # lines per model load and rank; the stages report their own progress instead.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     env = init_distributed()
     # On success, leave the process group cleanly; on an error, exit without tearing it down
     # first, so the peers' errors do not race ahead of this rank's own (see @record).

@@ -2,6 +2,7 @@
 with torchrun at 2 processes for training. Asserts on the tables the stages wrote."""
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -123,6 +124,21 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         checks = result.get_asset_check_evaluations()
         assert {c.check_name for c in checks} == {"capacity", "equal_shards", "coverage", "weights"}
         assert all(c.passed for c in checks)
+        # Quiet logs: no rank prints transformers' weight-loading bars or torchrun's
+        # OMP_NUM_THREADS banner, and the report reaches the run's log as one line.
+        rank_logs = [p for p in tiny_data_dir.rglob("*.log") if ".logs" in str(p)]
+        assert len(rank_logs) >= 6  # stdout and stderr of the embedding pass's and training's ranks
+        noisy = [
+            p for p in rank_logs if re.search("Loading weights|OMP_NUM_THREADS", p.read_text())
+        ]
+        assert noisy == []
+        messages = [
+            e.user_message for e in instance.all_logs(result.run_id) if e.step_key == "eval_report"
+        ]
+        reported = [m for m in messages if " Report: " in m]
+        assert len(reported) == 1 and "\n" not in reported[0]
+        assert reported[0].startswith("**Net time saved")
+        assert not [m for m in messages if "### Comparisons" in m]
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ def eval_report(
         guard=storage.guard,
     )
     path = report.write(layout.reports_dir(dataset))
-    context.log.info(report.summary)
+    # One line in the run's log; the whole report is the asset's ``report`` metadata and file.
+    context.log.info(f"{report.headline} Report: {path}")
     record = _record(report, results, scores, path, str(current.path), heldout_stats)
     return dg.MaterializeResult(
         metadata={
