@@ -195,13 +195,15 @@ def summary_markdown(
     verdicts of the current run, the side-by-side table, the comparisons, and cost and
     mechanism."""
     heldout = [c for c in numbers.comparisons if c.metric == "heldout_loss"]
-    mdd = (
-        f" The smallest held-out loss difference these comparisons detect reliably (80 % "
-        f"power, 5 % level) is {min(c.min_detectable for c in heldout):.4f}"
-        f"-{max(c.min_detectable for c in heldout):.4f} nats/token."
-        if heldout
-        else ""
-    )
+    mdd = ""
+    if heldout:
+        low, high = (f"{f(c.min_detectable for c in heldout):.4f}" for f in (min, max))
+        mdd = (
+            " The smallest held-out loss difference "
+            + ("this comparison detects" if len(heldout) == 1 else "these comparisons detect")
+            + f" reliably (80 % power, 5 % level) is {low if low == high else f'{low}-{high}'}"
+            " nats/token."
+        )
     group = numbers.current_row["group"]
     sentences = verdict_sentences(numbers.comparisons, group)
     benchmarks = ", ".join(f"{k} ({v})" for k, v in suite_sizes.items()) or "none"

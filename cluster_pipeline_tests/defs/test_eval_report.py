@@ -132,6 +132,34 @@ def test_each_group_is_compared_with_random_global_full_and_base_with_verdicts()
     assert "decision.png" in report.pngs
 
 
+def test_the_detectable_difference_is_one_number_or_a_range():
+    """One held-out comparison states its minimum detectable difference alone (not "x-x");
+    several state the range of theirs."""
+    rng = np.random.default_rng(1)
+    base = rng.normal(1.5, 0.1, 50)
+    one = [
+        _result("base", "base", "base", 0.0, base),
+        _result(
+            "p0", "peripheral r=0.5", "peripheral", 0.5, base - 0.1 + rng.normal(0, 0.01, 50), True
+        ),
+    ]
+    report = render_report("d", one, 50, 500, {}, {}, 1.0, n_resamples=200)
+    (c,) = [c for c in report.comparisons if c.metric == "heldout_loss"]
+    assert (
+        "The smallest held-out loss difference this comparison detects reliably (80 % power, "
+        f"5 % level) is {c.min_detectable:.4f} nats/token."
+    ) in report.summary
+    noisier = base - 0.05 + rng.normal(0, 0.05, 50)
+    two = [*one, _result("r0", "random_global r=0.5", "random_global", 0.5, noisier)]
+    report = render_report("d", two, 50, 500, {}, {}, 1.0, n_resamples=200)
+    mdds = [c.min_detectable for c in report.comparisons if c.metric == "heldout_loss"]
+    assert len(mdds) == 3 and min(mdds) < max(mdds)
+    assert (
+        f"these comparisons detect reliably (80 % power, 5 % level) is {min(mdds):.4f}-"
+        f"{max(mdds):.4f} nats/token."
+    ) in report.summary
+
+
 def test_benchmarks_are_configured_per_dataset(tmp_path):
     (tmp_path / "med").mkdir()
     (tmp_path / "med" / "eval.json").write_text(json.dumps({"benchmarks": ["mmlu_medical"]}))
