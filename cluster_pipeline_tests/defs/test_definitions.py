@@ -6,7 +6,7 @@ import pytest
 from cluster_pipeline.definitions import defs
 from cluster_pipeline.defs.profiles import PROFILES, job_name, profile_run_config
 from cluster_pipeline.defs.resources import TorchrunResource
-from cluster_pipeline.defs.stages import STAGES
+from cluster_pipeline.defs.stages import STAGES, ui_description
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,20 @@ def test_definitions_load_with_the_seven_stages(definitions):
     # The chain is linear, in DESIGN.md order.
     for up, down in zip(STAGES, STAGES[1:], strict=False):
         assert dg.AssetKey(up) in graph.get(dg.AssetKey(down)).parent_keys
+
+
+def test_asset_descriptions_are_markdown(definitions):
+    """The UI shows an asset's description as Markdown: no reStructuredText marks left."""
+    assert ui_description(
+        """First ``a`` and :func:`~pkg.mod.f`,
+        a :class:`B` wrapped.
+
+        Second    paragraph."""
+    ) == "First `a` and `pkg.mod.f`, a `B` wrapped.\n\nSecond paragraph."
+    graph = definitions.resolve_asset_graph()
+    for key in graph.get_all_asset_keys():
+        description = graph.get(key).description or ""
+        assert description and "``" not in description and ":func:" not in description, key
 
 
 def test_checks_jobs_and_sensor(definitions):

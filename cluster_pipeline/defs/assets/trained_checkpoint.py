@@ -184,14 +184,14 @@ def _record(
         git_commit=str(info.get("git_commit")),
         resumed_from_step=info.get("resumed_from_step"),
         steps=int(info.get("steps", len(history))),
-        final_loss=float(info.get("final_loss", float("nan"))),
+        final_loss=round(float(info.get("final_loss", float("nan"))), 4),
         seconds=round(seconds, 2),
         train_seconds=round(float(ckpt.train_seconds or 0.0), 2),
         samples_per_rank=shards.shard_size,
         rank_weights=list(info.get("rank_weights", [])),
         packed=bool(info.get("packed", False)),
-        useful_compute_fraction=info.get("useful_compute_fraction"),
-        wait_seconds_per_rank=list(info.get("wait_seconds_per_rank", [])),
+        useful_compute_fraction=_rounded(info.get("useful_compute_fraction"), 4),
+        wait_seconds_per_rank=[round(s, 2) for s in info.get("wait_seconds_per_rank", [])],
         selection_seconds=shards.selection_seconds,
         config=ckpt.settings,
     )
@@ -226,3 +226,8 @@ def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> 
             plots.markdown_image(useful, "useful compute fraction per step")
         ),
     }
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    """``value`` rounded for display (None stays None)."""
+    return None if value is None else round(float(value), digits)
