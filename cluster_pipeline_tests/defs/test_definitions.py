@@ -36,12 +36,15 @@ def test_definitions_load_with_the_seven_stages(definitions):
 
 def test_asset_descriptions_are_markdown(definitions):
     """The UI shows an asset's description as Markdown: no reStructuredText marks left."""
-    assert ui_description(
-        """First ``a`` and :func:`~pkg.mod.f`,
+    assert (
+        ui_description(
+            """First ``a`` and :func:`~pkg.mod.f`,
         a :class:`B` wrapped.
 
         Second    paragraph."""
-    ) == "First `a` and `pkg.mod.f`, a `B` wrapped.\n\nSecond paragraph."
+        )
+        == "First `a` and `pkg.mod.f`, a `B` wrapped.\n\nSecond paragraph."
+    )
     graph = definitions.resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         description = graph.get(key).description or ""
