@@ -17,17 +17,22 @@ from cluster_pipeline.defs.profiles import (
     profile_run_config,
 )
 from cluster_pipeline.defs.stages import SELECTION_STAGES, STAGES
+from cluster_pipeline.storage.names import SAMPLE_LINEAGE
 
 
+# Every job ends with sample_lineage, so a run leaves the lineage of what it selected and
+# trained (it would otherwise wait for the automation sensor, and a run from the UI would make
+# that sensor start a second run for it).
 def main_job_of(profile: str):
-    """All seven stages with ``profile``'s sizes as the job's (launchpad-editable) config."""
+    """All seven stages and ``sample_lineage``, with ``profile``'s sizes as the job's
+    (launchpad-editable) config."""
     return dg.define_asset_job(
         job_name(profile),
-        selection=dg.AssetSelection.assets(*STAGES),
+        selection=dg.AssetSelection.assets(*STAGES, SAMPLE_LINEAGE),
         config=profile_run_config(profile),
         tags={"cluster_pipeline/profile": profile},
-        description=f"raw_instructions -> ... -> eval_report for one dataset partition, "
-        f"size profile {profile}.",
+        description=f"raw_instructions -> ... -> eval_report, then sample_lineage, for one "
+        f"dataset partition, size profile {profile}.",
     )
 
 
@@ -36,8 +41,9 @@ main_job = main_jobs[0]
 
 selection_job = dg.define_asset_job(
     "selection_job",
-    selection=dg.AssetSelection.assets(*SELECTION_STAGES),
+    selection=dg.AssetSelection.assets(*SELECTION_STAGES, SAMPLE_LINEAGE),
     config=profile_run_config(DEFAULT_PROFILE, SELECTION_STAGES),
     tags={"cluster_pipeline/profile": DEFAULT_PROFILE},
-    description="The cheap selection chain, raw_instructions -> shard_manifests.",
+    description="The cheap selection chain, raw_instructions -> shard_manifests, and "
+    "sample_lineage.",
 )

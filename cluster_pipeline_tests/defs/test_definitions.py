@@ -62,6 +62,14 @@ def test_checks_jobs_and_sensor(definitions):
     }
     main = definitions.resolve_job_def("main_job")
     assert main.executor_def.name == "multiprocess"
+    # Both jobs end with the lineage table (the automation sensor has nothing left to run).
+    stages = {*STAGES, "sample_lineage"}
+    assert {n.name for n in main.nodes_in_topological_order} == stages
+    selection = definitions.resolve_job_def("selection_job")
+    assert {n.name for n in selection.nodes_in_topological_order} == {
+        *STAGES[:5],
+        "sample_lineage",
+    }
     assert sorted(s.name for s in definitions.sensors) == [
         "dataset_folders_sensor",
         "selection_automation_sensor",
