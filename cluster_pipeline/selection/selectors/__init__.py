@@ -22,9 +22,12 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import polars as pl
 
-from cluster_pipeline.selection.selectors import global_random, ifd, peripheral, rds, s2l
+from cluster_pipeline.selection.selectors import global_random, ifd, less, peripheral, rds, s2l
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
+    PASS_LESS_GRADIENTS,
+    PASS_LESS_TARGETS,
+    PASS_LESS_WARMUP,
     PASS_S2L_LOSS,
     PASS_S2L_PROXY,
     PASS_TARGETS,
@@ -64,6 +67,7 @@ __all__ = [
     "selection_from_table",
     "token_budget",
     "trains_a_proxy",
+    "warms_up_lora",
 ]
 
 _CLUSTERING = ("sq_distance",)
@@ -151,6 +155,18 @@ REGISTRY: dict[str, SelectorSpec] = {
             passes=(PASS_S2L_PROXY, PASS_S2L_LOSS),
             source="Yang et al. 2024, SmallToLarge (S2L), NeurIPS 2024",
         ),
+        SelectorSpec(
+            "less",
+            "LESS: the highest learning-rate-weighted cosine between a sample's "
+            "Adam-preconditioned LoRA gradient and its best target's gradient "
+            "(peripheral_subsets.target), both randomly projected, at the checkpoints of a short "
+            "LoRA warm-up on a random share of the pool (peripheral_subsets.less_*)",
+            less.less,
+            needs=("less_gradients", "less_target_gradients", "less_learning_rates"),
+            passes=(PASS_LESS_WARMUP, PASS_LESS_GRADIENTS, PASS_LESS_TARGETS),
+            source="Xia et al. 2024, LESS: Selecting Influential Data for Targeted Instruction "
+            "Tuning, ICML 2024",
+        ),
     )
 }
 
@@ -170,7 +186,13 @@ else:
 def needs_targets(name: str) -> bool:
     """Whether the selector ``name`` reads a target set (``peripheral_subsets.target``)."""
     spec = REGISTRY.get(name)
-    return spec is not None and PASS_TARGETS in spec.passes
+    return spec is not None and bool({PASS_TARGETS, PASS_LESS_TARGETS} & set(spec.passes))
+
+
+def warms_up_lora(name: str) -> bool:
+    """Whether the selector ``name`` runs less's LoRA warm-up (the ``less_*`` knobs apply)."""
+    spec = REGISTRY.get(name)
+    return spec is not None and PASS_LESS_WARMUP in spec.passes
 
 
 def trains_a_proxy(name: str) -> bool:

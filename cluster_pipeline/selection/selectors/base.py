@@ -5,7 +5,8 @@ A selector is a function ``(SelectionInputs, SelectionParams) -> SelectionResult
 as a :class:`SelectorSpec` (``selection/selectors/__init__.py``). The inputs are per-sample
 columns of the clustered pool (N rows, in the ``balanced_clusters`` table's order) plus what a
 selector's own model passes produced (the target set's embeddings for ``rds``, the
-unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``); a spec names the
+unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``, the projected
+gradients of the pool and the target set for ``less``); a spec names the
 inputs it reads (``needs``) and the model passes they come from (``passes``), so the caller
 runs only the passes the chosen selector needs and refuses a selector whose inputs are missing
 before anything runs.
@@ -18,10 +19,10 @@ Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, an
     global (unclustered):         K * keep samples, or K * B tokens
 
 (``r * m`` and ``r * L`` rounded to 9 decimals before the floor.) The global budget is what a
-cluster selector at the same r keeps in all, so ``random_global``, ``rds``, ``ifd`` and
-``s2l`` are compared with ``peripheral`` at equal data. Under token balance a global order is
-cut at the longest prefix whose tokens stay within K * B (at least one sample; ``s2l`` spreads
-the K * B tokens over its trajectory clusters instead, ``s2l.py``).
+cluster selector at the same r keeps in all, so ``random_global``, ``rds``, ``ifd``,
+``s2l`` and ``less`` are compared with ``peripheral`` at equal data. Under token balance a
+global order is cut at the longest prefix whose tokens stay within K * B (at least one
+sample; ``s2l`` spreads the K * B tokens over its trajectory clusters instead, ``s2l.py``).
 
 Weights (step 5): ``w_c = n_c K / N`` (sample balance) or ``w_c = K R_c / R`` (token balance,
 R_c the cluster's response tokens), for the re-weighted selectors; 1 for the others.
@@ -45,6 +46,9 @@ PASS_UNCONDITIONED = "unconditioned"
 PASS_TARGETS = "targets"
 PASS_S2L_PROXY = "s2l_proxy"
 PASS_S2L_LOSS = "s2l_loss"
+PASS_LESS_WARMUP = "less_warmup"
+PASS_LESS_GRADIENTS = "less_gradients"
+PASS_LESS_TARGETS = "less_targets"
 
 # s2l's trajectory clusters by default: the paper's (Yang et al. 2024, its MathInstruct runs).
 S2L_CLUSTERS = 100
@@ -58,14 +62,18 @@ class PassCost:
         name: ``"embedding"`` (the proxy_embeddings pass over the pool), ``"unconditioned"``
             (ifd's response-only pass), ``"targets"`` (rds's pass over the target set),
             ``"s2l_proxy"`` (s2l's proxy training) or ``"s2l_loss"`` (s2l's loss pass under
-            one proxy checkpoint; one entry per checkpoint, in step order).
+            one proxy checkpoint; one entry per checkpoint, in step order), ``"less_warmup"``
+            (less's LoRA warm-up), ``"less_gradients"`` / ``"less_targets"`` (less's
+            per-sample gradients of the pool / the target set under one warm-up checkpoint;
+            one entry per checkpoint, in step order).
         samples: samples passed forward, one forward pass each (for a training pass, the
             sample visits of all its optimizer steps over all ranks).
         tokens: tokens of those samples (as the model saw them).
         seconds: what the pass costs at the rate its cache measured (model load excluded), the
             same whether this run computed it or read it from the cache; a training pass's
             measured training seconds.
-        backward: backward passes (per sample visit; only s2l's proxy training takes any).
+        backward: backward passes (per sample visit: s2l's proxy training, less's warm-up;
+            one per sample for less's gradient passes).
         run_now: samples this run passed through the model (the others were cached).
     """
 
@@ -108,7 +116,8 @@ class SelectionCost:
 
     @property
     def backward_passes(self) -> int:
-        """Per-sample backward passes (s2l's proxy training; 0 for the other selectors)."""
+        """Per-sample backward passes (s2l's proxy training, less's warm-up and gradient
+        passes; 0 for the other selectors)."""
         return sum(p.backward for p in self.passes)
 
     @property
@@ -137,6 +146,12 @@ class SelectionInputs:
         targets: (M, d) float32 L2-normalised hidden_mean of the M target samples (rds).
         loss_trajectories: (N, T) float32 mean token loss of the response given the prompt
             (nats) under each of the T checkpoints of s2l's proxy, in step order.
+        less_gradients: (N, C, d) float32 L2-normalised projected Adam-preconditioned LoRA
+            gradients of the pool under each of the C checkpoints of less's warm-up.
+        less_target_gradients: (M, C, d) float32 L2-normalised projected gradients of the M
+            target samples under the same checkpoints, with the same projection.
+        less_learning_rates: (C,) float64 the warm-up's mean learning rate before each
+            checkpoint (eta_i).
         passes: the model passes the inputs came from, attached to the cost record.
     """
 
@@ -150,6 +165,9 @@ class SelectionInputs:
     hidden_mean: np.ndarray | None = None
     targets: np.ndarray | None = None
     loss_trajectories: np.ndarray | None = None
+    less_gradients: np.ndarray | None = None
+    less_target_gradients: np.ndarray | None = None
+    less_learning_rates: np.ndarray | None = None
     passes: tuple[PassCost, ...] = ()
 
     @property
@@ -192,8 +210,9 @@ class SelectionResult:
             unclustered selectors), None under sample balance.
         score: (N,) float64, what the selector orders by (sq_distance for ``peripheral`` and
             ``core``, IFD for ``ifd``, the best cosine to a target for ``rds``, the kept share
-            of the sample's trajectory cluster for ``s2l``), nan where it
-            has none (random orders, samples ``ifd`` cannot score); None when not recorded.
+            of the sample's trajectory cluster for ``s2l``, the weighted gradient influence on
+            its best target for ``less``), nan where it has none (random orders, samples
+            ``ifd`` cannot score); None when not recorded.
         cost: what the selection cost (:class:`SelectionCost`), None when not recorded.
     """
 

@@ -1,0 +1,207 @@
+"""less (LESS, Xia et al. 2024): the Adam preconditioning on hand-checked moments, the
+max-over-targets learning-rate-weighted sum on a hand-made case, the per-sample gradients of a
+padded batch against one plain backward per sample, the projected cosine against the exact one
+on a tiny model, and the errors."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cluster_pipeline.data.packing import collate_rows
+from cluster_pipeline.data.tokenization import encode_sample
+from cluster_pipeline.selection.gradient_features import (
+    AdamState,
+    RademacherProjection,
+    adam_precondition,
+    gradient_dim,
+    per_sample_gradients,
+    rademacher_rows,
+)
+from cluster_pipeline.selection.selectors import (
+    REGISTRY,
+    SelectionInputs,
+    SelectionParams,
+    needs_targets,
+    run_selector,
+    warms_up_lora,
+)
+from cluster_pipeline.selection.selectors.less import checkpoint_weights, influence_scores
+from cluster_pipeline.training.config import TrainSettings
+from cluster_pipeline.training.parallel import apply_lora
+
+
+def test_adam_preconditioning_of_a_hand_checked_case():
+    # m = 0.1, v = 0.01 after t = 1 step, g = 0.5 (b1 0.9, b2 0.999, eps 1e-8):
+    # m' = 0.9 * 0.1 + 0.1 * 0.5 = 0.14,  m_hat = 0.14 / (1 - 0.9^2) = 0.14 / 0.19
+    # v' = 0.999 * 0.01 + 0.001 * 0.25 = 0.01024,  v_hat = 0.01024 / (1 - 0.999^2) = 0.01024 /
+    # 0.001999;  Gamma = m_hat / (sqrt(v_hat) + eps).
+    # Second coordinate m = 0, v = 0, g = -2: m' = -0.2, v' = 0.004.
+    state = AdamState(torch.tensor([0.1, 0.0]), torch.tensor([0.01, 0.0]), step=1)
+    gamma = adam_precondition(torch.tensor([[0.5, -2.0]]), state)
+    first = (0.14 / 0.19) / (math.sqrt(0.01024 / 0.001999) + 1e-8)
+    second = (-0.2 / 0.19) / (math.sqrt(0.004 / 0.001999) + 1e-8)
+    assert gamma.tolist()[0] == pytest.approx([first, second], rel=1e-6)
+    assert first == pytest.approx(0.32556, rel=1e-5)  # 0.736842 / 2.263307
+
+
+def test_adam_state_from_an_optimizer_state_dict():
+    a, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([a, b], lr=0.1, betas=(0.8, 0.99), eps=1e-6)
+    a.grad, b.grad = torch.ones(2, 2), torch.full((3,), 2.0)
+    opt.step()
+    state = AdamState.from_optimizer_state(opt.state_dict())
+    assert state.step == 1 and state.betas == (0.8, 0.99) and state.eps == 1e-6
+    # After one step from zero moments: m = (1 - b1) g, v = (1 - b2) g^2, in parameter order.
+    assert state.exp_avg.tolist() == pytest.approx([0.2] * 4 + [0.4] * 3)
+    assert state.exp_avg_sq.tolist() == pytest.approx([0.01] * 4 + [0.04] * 3)
+    with pytest.raises(ValueError, match="no Adam moments"):
+        fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+        AdamState.from_optimizer_state(fresh.state_dict())
+
+
+def test_influence_is_the_max_over_targets_of_the_lr_weighted_cosine_sum():
+    # Two checkpoints with eta = 3 and 1 (weights 0.75, 0.25), d = 2, unit vectors.
+    e1, e2 = [1.0, 0.0], [0.0, 1.0]
+    diag = [math.sqrt(0.5), math.sqrt(0.5)]
+    pool = np.array([[e1, e1], [e2, e1], [diag, e2]], dtype=np.float32)  # (N=3, C=2, d=2)
+    targets = np.array([[e1, e1], [e2, e2]], dtype=np.float32)  # (M=2, C=2, d=2)
+    score = influence_scores(pool, targets, [3.0, 1.0])
+    # z0: t0 0.75 * 1 + 0.25 * 1 = 1;   t1: 0 + 0 = 0                    -> 1
+    # z1: t0 0 + 0.25 = 0.25;           t1: 0.75 + 0 = 0.75              -> 0.75
+    # z2: t0 0.75 * 0.7071 + 0 = 0.530; t1: 0.75 * 0.7071 + 0.25 = 0.780 -> 0.780
+    assert score.tolist() == pytest.approx([1.0, 0.75, 0.75 * math.sqrt(0.5) + 0.25])
+    # The max is over the sum (eq. (2), then the max), not a sum of per-checkpoint maxima:
+    # z1's per-checkpoint maxima would give 0.75 * 1 + 0.25 * 1 = 1.
+    assert checkpoint_weights([3.0, 1.0]).tolist() == [0.75, 0.25]
+    # One checkpoint given as (N, d).
+    assert influence_scores(pool[:, 0], targets[:, 0], [1.0]).tolist() == pytest.approx(
+        [1.0, 1.0, math.sqrt(0.5)]
+    )
+
+
+def _inputs(pool, targets, eta, k=1):
+    n = len(pool)
+    return SelectionInputs(
+        labels=np.arange(n) % k,
+        k=k,
+        lengths=np.full(n, 10),
+        response_tokens=np.full(n, 5),
+        less_gradients=pool,
+        less_target_gradients=targets,
+        less_learning_rates=np.asarray(eta, dtype=np.float64),
+    )
+
+
+def test_less_keeps_the_top_scores_up_to_the_global_budget():
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(8, 2, 4)).astype(np.float32)
+    pool /= np.linalg.norm(pool, axis=2, keepdims=True)
+    targets = pool[[5, 2]]  # pool samples 5 and 2 are targets: both score 1
+    result = run_selector("less", _inputs(pool, targets, [1.0, 1.0], k=2), SelectionParams(r=0.5))
+    # Global budget: K floor(r m) = 2 * floor(0.5 * 4) = 4 samples.
+    assert result.n_selected == 4
+    order = np.argsort(result.selection_rank)
+    assert set(order[:2].tolist()) == {2, 5} and result.score[[2, 5]] == pytest.approx([1, 1])
+    assert (np.diff(result.score[order]) <= 1e-12).all()  # best first
+    assert result.selected[order[:4]].all() and not result.selected[order[4:]].any()
+    assert (result.weight == 1).all()
+    # Token balance: K B tokens with B = floor(0.5 * 40) = 20: 40 tokens = 4 samples of 10.
+    tokens = run_selector(
+        "less", _inputs(pool, targets, [1.0, 1.0], k=2), SelectionParams(0.5, balance="tokens")
+    )
+    assert tokens.selected.tolist() == result.selected.tolist()
+
+
+def test_less_refuses_mismatched_gradients_and_is_registered():
+    pool = np.ones((3, 2, 4), dtype=np.float32) / 2
+    with pytest.raises(ValueError, match="same checkpoints"):
+        run_selector("less", _inputs(pool, pool[:, :1], [1.0, 1.0]))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        run_selector("less", _inputs(pool, pool, [0.0, 0.0]))
+    with pytest.raises(ValueError, match="needs less_gradients"):
+        run_selector("less", SelectionInputs(labels=np.zeros(3, dtype=np.int64), k=1))
+    assert "less" in REGISTRY and needs_targets("less") and warms_up_lora("less")
+    assert not warms_up_lora("s2l") and not warms_up_lora("rds")
+    assert "Xia et al. 2024" in REGISTRY["less"].source
+
+
+def test_the_rademacher_matrix_is_seeded_balanced_and_blockwise_consistent():
+    r = rademacher_rows(0, 300, 512, seed=3, device="cpu")
+    assert set(r.unique().tolist()) == {-1.0, 1.0}
+    assert abs(float(r.mean())) < 0.01  # 153,600 signs: std of the mean 0.0026
+    assert torch.equal(rademacher_rows(100, 50, 512, 3, "cpu"), r[100:150])
+    assert not torch.equal(rademacher_rows(0, 300, 512, 4, "cpu"), r)
+    x = torch.randn(5, 300)
+    whole = RademacherProjection(300, 512, seed=3, block_rows=1000)(x)
+    blocks = RademacherProjection(300, 512, seed=3, block_rows=7)(x)
+    assert torch.allclose(whole, blocks, atol=1e-4)
+    assert torch.allclose(whole, x @ r / math.sqrt(512), atol=1e-4)
+
+
+def _lora_model(tiny_model):
+    import copy
+
+    model = apply_lora(copy.deepcopy(tiny_model), TrainSettings(lora_r=4, seed=0))
+    # LoRA starts with B = 0 (so dL/dA = 0); give B values, as a warm-up would.
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)
+    return model.eval()
+
+
+def _samples(tokenizer, n):
+    texts = [
+        ("What is 2 + 2?", "4"),
+        ("Reverse the word cat.", "tac"),
+        ("Name a colour.", "Blue, or green if you prefer a longer answer."),
+        ("Add 10 and 5.", "10 + 5 = 15"),
+        ("Say hi.", "hi there"),
+    ]
+    return [encode_sample(tokenizer, None, p, r, 64) for p, r in texts[:n]]
+
+
+def test_per_sample_gradients_equal_one_plain_backward_per_sample(tiny_model, tiny_tokenizer):
+    model = _lora_model(tiny_model)
+    encoded = _samples(tiny_tokenizer, 4)
+    batch = collate_rows(encoded, [[i] for i in range(4)], tiny_tokenizer.pad_token_id, False)
+    grads, losses = per_sample_gradients(model, batch)
+    assert grads.shape == (4, gradient_dim(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i, sample in enumerate(encoded):
+        model.zero_grad()
+        out = model(
+            input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels])
+        )
+        out.loss.backward()
+        plain = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        assert float(losses[i]) == pytest.approx(out.loss.item(), abs=1e-5)
+        assert torch.allclose(grads[i], plain, atol=1e-5, rtol=0)
+        assert float(plain.norm()) > 1e-3  # a real gradient, not zeros
+
+
+def test_projected_cosine_is_within_tolerance_of_the_exact_cosine(tiny_model, tiny_tokenizer):
+    # JL: with d = 8192 a projected cosine's error has standard deviation at most
+    # 1 / sqrt(d) = 0.011; 0.05 is more than four of them (the projection is seeded, so the
+    # outcome is fixed).
+    model = _lora_model(tiny_model)
+    encoded = _samples(tiny_tokenizer, 5)
+    batch = collate_rows(encoded, [[i] for i in range(5)], tiny_tokenizer.pad_token_id, False)
+    grads, _ = per_sample_gradients(model, batch)
+    state = AdamState(torch.zeros(grads.shape[1]), torch.full((grads.shape[1],), 1e-6), step=3)
+    pool = adam_precondition(grads, state)
+    targets = grads[[0, 3]]  # plain gradients, as for a target set
+    exact = (
+        torch.nn.functional.normalize(pool, dim=1) @ torch.nn.functional.normalize(targets, dim=1).T
+    )
+    project = RademacherProjection(grads.shape[1], 8192, seed=0)
+    approx = (
+        torch.nn.functional.normalize(project(pool), dim=1)
+        @ torch.nn.functional.normalize(project(targets), dim=1).T
+    )
+    assert grads.shape[1] == 896  # the tiny model's LoRA (r = 4 on q_proj, v_proj, 2 layers)
+    error = float((approx - exact).abs().max())
+    assert error < 0.05, error
+    assert exact.abs().max() > 0.1  # cosines far from 0 are compared, not noise
