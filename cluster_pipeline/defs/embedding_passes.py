@@ -5,9 +5,11 @@ into the cache, then the cached rows of every sample asked for, in order.
 ``proxy_embeddings`` runs it over the pool. ``peripheral_subsets`` runs it for a selector's
 own inputs under the pool's model and settings: the target set of ``rds`` (``kind="targets"``),
 the response-only inputs of ``ifd`` (``kind="unconditioned"``) and ``s2l``'s loss pass under
-each proxy checkpoint (``kind="s2l_loss"``, the checkpoint as the model). Each kind has its own
-cache folder (the kind is part of the key), so a selector's pass is paid once per sample and
-model, as the pool's is, and the pool's cache keeps counting only pool passes.
+each proxy checkpoint (``kind="s2l_loss"``, the checkpoint as the model) and ``less``'s
+gradient passes under each warm-up checkpoint (``kind`` naming the pool or the targets, the
+preconditioner, the checkpoint, the projection's d and seed; ``EmbedJob.gradients``). Each
+kind has its own cache folder (the kind is part of the key), so a selector's pass is paid once
+per sample and model, as the pool's is, and the pool's cache keeps counting only pool passes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from cluster_pipeline.storage.embedding_cache import (
     store_pass,
 )
 from cluster_pipeline.storage.tables import TableRef
-from cluster_pipeline.training.config import EmbedJob, EmbedSettings
+from cluster_pipeline.training.config import EmbedJob, EmbedSettings, GradientPass
 
 
 def pass_cache_key(model_path: str, settings: EmbedSettings, kind: str = "") -> str:
@@ -77,6 +79,7 @@ def run_cached_pass(
     world_size: int,
     recompute: bool = False,
     response_only: bool = False,
+    gradients: GradientPass | None = None,
     label: str = "",
 ) -> CachedPass:
     """Embed the samples ``sample_ids`` of the instruction table ``table`` (training split)
@@ -96,6 +99,7 @@ def run_cached_pass(
         world_size: ranks over all torchrun agents.
         recompute: embed every sample again and replace the cache once the pass finished.
         response_only: ifd's unconditioned pass (``EmbedJob.response_only``).
+        gradients: less's gradient pass (``EmbedJob.gradients``) instead of the embedding.
         label: prefixes the log lines (empty for the pool).
 
     Raises:
@@ -120,6 +124,7 @@ def run_cached_pass(
                 chunk_dir=str(todo.pass_dir),
                 sample_ids_file=str(todo.ids_file),
                 response_only=response_only,
+                gradients=gradients,
             )
             job_file = job.dump(todo.pass_dir / "embed_job.json")
             nproc = world_size // torchrun.agents

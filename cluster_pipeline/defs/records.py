@@ -244,12 +244,15 @@ class PeripheralSubsetsRecord(SelectionRecord):
     forward_passes: int = 0
     backward_passes: int = 0
     selection_passes: list[dict[str, Any]] = field(default_factory=list)
-    # A targeted selector's (rds) target set: its name or folder, and its embedded samples.
+    # A targeted selector's (rds, less) target set: its name or folder, and its samples used.
     selection_target: str | None = None
     selection_target_samples: int = 0
-    # s2l's proxy: its checkpoints whose losses are the trajectories, and their steps.
+    # s2l's proxy: its checkpoints whose losses are the trajectories, and their steps; for less
+    # the warm-up's checkpoints whose gradients are scored, and their steps.
     s2l_proxy_checkpoints: list[str] = field(default_factory=list)
     s2l_checkpoint_steps: list[int] = field(default_factory=list)
+    # less: each warm-up checkpoint's mean learning rate eta_i (before renormalisation).
+    less_learning_rates: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,13 +18,17 @@ span stages or need the data and the base model:
   what the base model's chat template writes before an answer, plus one token
   (:func:`~cluster_pipeline.data.tokenization.min_prompted_length`); the three may differ
   (training on shorter sequences than were embedded is allowed);
-- a targeted selector (``peripheral_subsets.selector: rds``) with a ``target`` that names a
-  benchmark whose file is found or an existing folder
+- a targeted selector (``peripheral_subsets.selector: rds`` or ``less``) with a ``target``
+  that names a benchmark whose file is found or an existing folder
   (:func:`~cluster_pipeline.evaluation.targets.target_problem`; the file is looked for only
   where the run's worker knows the data folder);
 - s2l's knobs (``peripheral_subsets.s2l_*``) only with ``selector: s2l``; ``s2l_steps`` a
   multiple of ``s2l_checkpoints`` (a checkpoint every s2l_steps / s2l_checkpoints steps);
-  ``s2l_clusters`` at most the training pool N where N is known.
+  ``s2l_clusters`` at most the training pool N where N is known;
+- less's knobs (``peripheral_subsets.less_*``) only with ``selector: less``, which also needs a
+  ``target`` (as rds); ``less_warmup_steps`` a multiple of ``less_checkpoints``; the warm-up
+  share ceil(less_warmup_fraction x N) at least ``proxy_embeddings.world_size`` samples where N
+  is known (``less_projection_dim`` >= 1,024 is the knob's own bound).
 
 A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined by ``; ``.
 """
@@ -47,7 +51,7 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
 from cluster_pipeline.evaluation.targets import target_problem
 from cluster_pipeline.models.loading import local_model
-from cluster_pipeline.selection.selectors import needs_targets, trains_a_proxy
+from cluster_pipeline.selection.selectors import needs_targets, trains_a_proxy, warms_up_lora
 from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
 
@@ -175,11 +179,12 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
         )
     subsets = configs.get("peripheral_subsets")
     if subsets is not None and needs_targets(subsets.selector):
-        problem = target_problem(subsets.target, facts.eval_folders or None)
+        problem = target_problem(subsets.target, facts.eval_folders or None, subsets.selector)
         if problem is not None:
             problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
     if subsets is not None:
         problems += _s2l_rules(subsets, facts)
+        problems += _less_rules(subsets, configs.get("proxy_embeddings"), facts)
     if "eval_report" in configs and raw is not None and raw.heldout_fraction == 0:
         problems.append(
             f"raw_instructions.heldout_fraction = {raw.heldout_fraction}: "
@@ -225,6 +230,39 @@ def _s2l_rules(subsets: Any, facts: RunFacts) -> list[str]:
             f"peripheral_subsets.s2l_clusters = {subsets.s2l_clusters}: more trajectory "
             f"clusters than the {facts.train_samples} training samples of {where}; lower it"
         )
+    return problems
+
+
+def _less_rules(subsets: Any, embed: Any, facts: RunFacts) -> list[str]:
+    """The problems of less's knobs (module docstring): given for another selector, warm-up
+    steps that the checkpoints do not divide, a warm-up share with fewer samples than ranks."""
+    from cluster_pipeline.defs.assets.peripheral_subsets import LESS_KNOBS
+    from cluster_pipeline.training.proxy import warmup_share
+
+    if not warms_up_lora(subsets.selector):
+        return [
+            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to "
+            f"selector less only (the selector is {subsets.selector!r})"
+            for knob in LESS_KNOBS
+            if knob in subsets.model_fields_set
+        ]
+    problems = []
+    steps, checkpoints = subsets.less_warmup_steps, subsets.less_checkpoints
+    if steps % checkpoints:
+        problems.append(
+            f"peripheral_subsets.less_warmup_steps = {steps}: must be a multiple of "
+            f"less_checkpoints = {checkpoints} (the warm-up saves a checkpoint every "
+            "less_warmup_steps / less_checkpoints steps)"
+        )
+    ranks = getattr(embed, "world_size", 1)
+    if facts.train_samples is not None:
+        share = len(warmup_share(facts.train_samples, subsets.less_warmup_fraction))
+        if share < ranks:
+            problems.append(
+                f"peripheral_subsets.less_warmup_fraction = {subsets.less_warmup_fraction}: "
+                f"{share} of the {facts.train_samples} training samples for the warm-up's "
+                f"{ranks} ranks (proxy_embeddings.world_size); at least one each"
+            )
     return problems
 
 

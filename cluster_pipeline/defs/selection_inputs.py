@@ -16,7 +16,10 @@ settings were, a proxy that would not fit in memory) is refused before a pass st
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
 
 import dagster as dg
 import numpy as np
@@ -37,15 +40,19 @@ from cluster_pipeline.selection.embedding import l2_normalise
 from cluster_pipeline.selection.selectors import REGISTRY, PassCost, SelectionInputs
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,
+    PASS_LESS_GRADIENTS,
+    PASS_LESS_TARGETS,
+    PASS_LESS_WARMUP,
     PASS_S2L_LOSS,
     PASS_S2L_PROXY,
     PASS_TARGETS,
     PASS_UNCONDITIONED,
 )
-from cluster_pipeline.selection.sharding import manifest_set_hash
+from cluster_pipeline.selection.sharding import Allocation, manifest_set_hash
 from cluster_pipeline.storage.embedding_cache import CacheUnreadable
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
 from cluster_pipeline.storage.names import (
+    LESS_GRADIENTS,
     PROXY_EMBEDDINGS,
     RAW_INSTRUCTIONS,
     S2L_TRAJECTORIES,
@@ -53,16 +60,21 @@ from cluster_pipeline.storage.names import (
 )
 from cluster_pipeline.storage.tables import TableRef, series_to_matrix, write_table
 from cluster_pipeline.training.checkpointing import finished_for
-from cluster_pipeline.training.config import EmbedSettings, TrainJob
+from cluster_pipeline.training.config import EmbedSettings, GradientPass, TrainJob, TrainSettings
 from cluster_pipeline.training.memory import TrainingMemoryError
 from cluster_pipeline.training.preflight import check_training_fits, checkpoint_folder
 from cluster_pipeline.training.proxy import (
+    LessWarmup,
     ProxyCheckpoint,
     ProxyRun,
+    mean_learning_rates,
     proxy_checkpoints,
     proxy_cost,
     proxy_settings,
     proxy_shards,
+    warmup_checkpoints,
+    warmup_settings,
+    warmup_share,
 )
 
 
@@ -80,6 +92,7 @@ class GatheredInputs:
     pass_wall_seconds: float = 0.0
     proxy_checkpoints: tuple[str, ...] = ()
     proxy_steps: tuple[int, ...] = ()
+    less_learning_rates: tuple[float, ...] = ()
 
 
 def _column(rows: pl.DataFrame, frame: pl.DataFrame, column: str) -> np.ndarray:
@@ -110,10 +123,12 @@ def gather_inputs(
     clusters: BalancedClustersRecord,
     frame: pl.DataFrame,
     proxy: ProxyRun | None = None,
+    warmup: LessWarmup | None = None,
 ) -> GatheredInputs:
     """The inputs of ``selector`` for the clustered pool ``frame`` (columns sample_id, cluster,
     sq_distance, n_tokens, n_response_tokens; table order), running its own passes; ``proxy``:
-    s2l's proxy run (needed when the selector trains one).
+    s2l's proxy run (needed when the selector trains one); ``warmup``: less's warm-up (needed
+    for less).
 
     Raises:
         dagster.Failure: the target set cannot be read, its pass failed, the proxy would not fit
@@ -156,6 +171,22 @@ def gather_inputs(
             context, storage, torchrun, pipes_subprocess_client, pool, frame, proxy
         )
         passes.extend(s2l.costs)
+    less: _LessGradients | None = None
+    if PASS_LESS_WARMUP in spec.passes:
+        if warmup is None:
+            raise dg.Failure(description=f"{context.partition_key}: less needs its warm-up knobs")
+        less = _less_gradients(
+            context,
+            target,
+            target_size,
+            storage,
+            torchrun,
+            pipes_subprocess_client,
+            pool,
+            frame,
+            warmup,
+        )
+        passes.extend(less.costs)
     wall = time.perf_counter() - start
     inputs = SelectionInputs(
         labels=frame["cluster"].to_numpy(),
@@ -168,8 +199,22 @@ def gather_inputs(
         unconditioned_loss=unconditioned,
         targets=targets.vectors if targets else None,
         loss_trajectories=s2l.trajectories if s2l else None,
+        less_gradients=less.pool if less else None,
+        less_target_gradients=less.targets if less else None,
+        less_learning_rates=np.asarray(less.learning_rates) if less else None,
         passes=tuple(passes),
     )
+    if less is not None:
+        return GatheredInputs(
+            inputs,
+            target=target,
+            target_samples=len(less.targets),
+            tables={SELECTION_TARGETS: less.target_table, LESS_GRADIENTS: less.table},
+            pass_wall_seconds=wall,
+            proxy_checkpoints=tuple(str(c.path) for c in less.checkpoints),
+            proxy_steps=tuple(c.step for c in less.checkpoints),
+            less_learning_rates=tuple(less.learning_rates),
+        )
     if s2l is not None:
         return GatheredInputs(
             inputs,
@@ -211,12 +256,7 @@ def _targets(
     return its representations."""
     dataset, layout = context.partition_key, storage.layout
     settings = _pool_settings(pool, dataset)
-    folders = [layout.eval_dir, SHARED_EVAL_DIR]
-    try:
-        frame = target_samples(target or "", target_size, folders)
-    except ValueError as e:  # DatasetFormatError is one
-        raise dg.Failure(description=f"{dataset}: peripheral_subsets.target: {e}") from e
-    table = write_table(frame, layout.table_uri(SELECTION_TARGETS, dataset), guard=storage.guard)
+    frame, table = _target_table(context, target, target_size, storage)
     cache_dir = layout.embedding_cache_dir(
         dataset, pass_cache_key(pool.base_model, settings, PASS_TARGETS)
     )
@@ -248,6 +288,24 @@ def _targets(
         f"({done.embedded_now} now)"
     )
     return _TargetSet(vectors, done.cost(PASS_TARGETS), table)
+
+
+def _target_table(
+    context: dg.AssetExecutionContext,
+    target: str | None,
+    target_size: int,
+    storage: StorageResource,
+) -> tuple[pl.DataFrame, TableRef]:
+    """The target set (evaluation/targets.py) as an instruction table, written as the
+    ``selection_targets`` table (before any model loads, so a bad target fails first)."""
+    dataset, layout = context.partition_key, storage.layout
+    folders = [layout.eval_dir, SHARED_EVAL_DIR]
+    try:
+        frame = target_samples(target or "", target_size, folders)
+    except ValueError as e:  # DatasetFormatError is one
+        raise dg.Failure(description=f"{dataset}: peripheral_subsets.target: {e}") from e
+    table = write_table(frame, layout.table_uri(SELECTION_TARGETS, dataset), guard=storage.guard)
+    return frame, table
 
 
 def _unconditioned(
@@ -351,19 +409,22 @@ def _s2l_trajectories(
     return _Trajectories(trajectories, tuple(costs), tuple(checkpoints), table)
 
 
-def _proxy_run(
+def _train_briefly(
     context: dg.AssetExecutionContext,
     storage: StorageResource,
     torchrun: TorchrunResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
     pool: ProxyEmbeddingsRecord,
     frame: pl.DataFrame,
-    proxy: ProxyRun,
-    embed: EmbedSettings,
-) -> tuple[list[ProxyCheckpoint], PassCost]:
-    """Train s2l's proxy (or reuse the finished run of the same shards, data, model and
-    settings; a killed run resumes from its latest checkpoint) and return its T checkpoints
-    and its cost."""
+    build: Callable[[Allocation], TrainSettings],
+    purpose: str,
+    steps: int,
+    every: int,
+) -> tuple[Path, bool]:
+    """Train the pool pass's base model on ``frame``'s samples (random token-balanced shards
+    over the pool pass's world size, ``build`` giving the settings) under torchrun, or reuse
+    the finished run of the same shards, data, model and settings (a killed run resumes from
+    its latest checkpoint); returns its folder and whether this call trained."""
     dataset, layout = context.partition_key, storage.layout
     model_path = pool.base_model
     recheck_settings(context, layout, model_path, torchrun.agents)  # before any model loads
@@ -373,12 +434,12 @@ def _proxy_run(
         allocation = proxy_shards(
             dataset, sample_ids, frame["n_tokens"].to_numpy(), pool.world_size
         )
-        settings = proxy_settings(embed, proxy, allocation)
+        settings = build(allocation)
         check_training_fits(
             model_path, settings, pool.world_size, torchrun.agents, torchrun.launcher == "slurm"
         )
     except (ValueError, TrainingMemoryError) as e:
-        raise dg.Failure(description=f"{dataset}: s2l proxy: {e}") from e
+        raise dg.Failure(description=f"{dataset}: {purpose}: {e}") from e
     set_hash = manifest_set_hash(allocation.manifests)
     root = layout.proxies_dir(dataset)
     paths = [str(m.write(root / "shards" / set_hash[:16])) for m in allocation.manifests]
@@ -394,14 +455,13 @@ def _proxy_run(
             instructions_version=instructions.version,
             manifests=paths,
             output_dir=str(output_dir),
-            provenance={"dataset": dataset, "purpose": "s2l proxy", "steps": proxy.steps},
+            provenance={"dataset": dataset, "purpose": purpose, "steps": steps},
         )
         root.mkdir(parents=True, exist_ok=True)
         job_file = job.dump(root / f"{output_dir.name}.job.json")
         context.log.info(
-            f"s2l proxy: training {model_path} on all {len(sample_ids)} samples for "
-            f"{proxy.steps} steps on {pool.world_size} rank(s), a checkpoint every "
-            f"{proxy.every} steps, into {output_dir}"
+            f"{purpose}: training {model_path} on {len(sample_ids)} samples for {steps} steps "
+            f"on {pool.world_size} rank(s), a checkpoint every {every} steps, into {output_dir}"
         )
         torchrun.run(
             context,
@@ -411,14 +471,41 @@ def _proxy_run(
             job_file,
         )
     else:
-        context.log.info(f"s2l proxy: reusing the finished run {output_dir}")
+        context.log.info(f"{purpose}: reusing the finished run {output_dir}")
+    return output_dir, trained_now
+
+
+def _proxy_run(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+    frame: pl.DataFrame,
+    proxy: ProxyRun,
+    embed: EmbedSettings,
+) -> tuple[list[ProxyCheckpoint], PassCost]:
+    """Train s2l's proxy on the whole pool (or reuse it, :func:`_train_briefly`) and return
+    its T checkpoints and its cost."""
+    output_dir, trained_now = _train_briefly(
+        context,
+        storage,
+        torchrun,
+        pipes_subprocess_client,
+        pool,
+        frame,
+        lambda allocation: proxy_settings(embed, proxy, allocation),
+        "s2l proxy",
+        proxy.steps,
+        proxy.every,
+    )
     checkpoints = proxy_checkpoints(output_dir)
     steps = [c.step for c in checkpoints]
     want = [proxy.every * (t + 1) for t in range(proxy.checkpoints)]
     if steps != want:
         raise dg.Failure(
-            description=f"{dataset}: the s2l proxy run {output_dir} holds checkpoints at steps "
-            f"{steps}, expected {want}"
+            description=f"{context.partition_key}: the s2l proxy run {output_dir} holds "
+            f"checkpoints at steps {steps}, expected {want}"
         )
     cost = proxy_cost(output_dir, trained_now)
     return checkpoints, PassCost(
@@ -428,4 +515,161 @@ def _proxy_run(
         seconds=cost.seconds,
         backward=cost.samples,
         run_now=cost.run_now,
+    )
+
+
+@dataclass(frozen=True)
+class _LessGradients:
+    """The inputs of less: the pool's (N, C, d) and the targets' (M, C, d) float32 normalised
+    projected gradients, the checkpoints' learning rates, the costs (the warm-up, then per
+    checkpoint the pool's and the targets' gradient passes), the warm-up's C checkpoints, the
+    target set's table and the ``less_gradients`` table."""
+
+    pool: np.ndarray
+    targets: np.ndarray
+    learning_rates: list[float]
+    costs: tuple[PassCost, ...]
+    checkpoints: tuple[ProxyCheckpoint, ...]
+    target_table: TableRef
+    table: TableRef
+
+
+def _gradient_rows(done: CachedPass, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """((rows, d) float32 gradients, zeros where skipped; (rows,) bool had a gradient)."""
+    ok = done.rows["skip_reason"].is_null().to_numpy()
+    out = np.zeros((done.rows.height, d), dtype=np.float32)
+    if ok.any():
+        out[ok] = series_to_matrix(done.rows.filter(pl.Series(ok))["embedding"])
+    return out, ok
+
+
+def _less_gradients(
+    context: dg.AssetExecutionContext,
+    target: str | None,
+    target_size: int,
+    storage: StorageResource,
+    torchrun: TorchrunResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    pool: ProxyEmbeddingsRecord,
+    frame: pl.DataFrame,
+    warm: LessWarmup,
+) -> _LessGradients:
+    """The passes of less (selection/selectors/less.py): the target set read first (a bad one
+    fails before any model loads), the LoRA warm-up on a seeded share of the pool, then per
+    warm-up checkpoint the pool's Adam-preconditioned and the targets' plain gradient passes
+    (the embedding pass's recipe with ``EmbedJob.gradients``, cached per sample under the
+    checkpoint's own key); the pool's gradients written as the ``less_gradients`` table."""
+    dataset, layout = context.partition_key, storage.layout
+    settings = _pool_settings(pool, dataset)
+    targets_frame, target_table = _target_table(context, target, target_size, storage)
+    share = frame[warmup_share(frame.height, warm.fraction).tolist()]
+    run = warm.run
+    train: dict[str, TrainSettings] = {}
+
+    def build(allocation):
+        train["settings"] = warmup_settings(settings, warm, allocation)
+        return train["settings"]
+
+    output_dir, trained_now = _train_briefly(
+        context,
+        storage,
+        torchrun,
+        pipes_subprocess_client,
+        pool,
+        share,
+        build,
+        "less warm-up",
+        run.steps,
+        run.every,
+    )
+    checkpoints = warmup_checkpoints(output_dir)
+    steps = [c.step for c in checkpoints]
+    want = [run.every * (t + 1) for t in range(run.checkpoints)]
+    if steps != want:
+        raise dg.Failure(
+            description=f"{dataset}: the less warm-up {output_dir} holds checkpoints at steps "
+            f"{steps}, expected {want}"
+        )
+    rates = mean_learning_rates(train["settings"], run.steps, steps)
+    cost = proxy_cost(output_dir, trained_now)
+    costs = [
+        PassCost(
+            PASS_LESS_WARMUP,
+            samples=cost.samples,
+            tokens=cost.tokens,
+            seconds=cost.seconds,
+            backward=cost.samples,
+            run_now=cost.run_now,
+        )
+    ]
+    pool_ids, target_ids = frame["sample_id"].to_list(), targets_frame["sample_id"].to_list()
+    d = warm.projection_dim
+    pool_columns, target_columns, kept = [], [], None
+    for ckpt in checkpoints:
+        passes: tuple[tuple[Literal["adam", "sgd"], list[str], TableRef, str], ...] = (
+            ("adam", pool_ids, pool.inputs[RAW_INSTRUCTIONS], PASS_LESS_GRADIENTS),
+            ("sgd", target_ids, target_table, PASS_LESS_TARGETS),
+        )
+        for kind, ids, table, name in passes:
+            spec = GradientPass(checkpoint=str(ckpt.path), preconditioner=kind, projection_dim=d)
+            key = f"{name}-{kind}-d{d}-s{spec.projection_seed}"
+            cache_dir = layout.embedding_cache_dir(
+                dataset, pass_cache_key(str(ckpt.path), settings, key)
+            )
+            label = f"less {'pool' if kind == 'adam' else 'target'} gradients, step {ckpt.step}"
+            try:
+                done = run_cached_pass(
+                    context,
+                    storage,
+                    torchrun,
+                    pipes_subprocess_client,
+                    table=table,
+                    sample_ids=ids,
+                    model_path=pool.base_model,
+                    settings=settings,
+                    cache_dir=cache_dir,
+                    world_size=pool.world_size,
+                    gradients=spec,
+                    label=label,
+                )
+            except (CacheUnreadable, FileNotFoundError) as e:
+                raise dg.Failure(description=f"{dataset}: {label}: {e}") from e
+            vectors, ok = _gradient_rows(done, d)
+            passed = done.cost(name)
+            costs.append(replace(passed, backward=passed.samples))
+            if kind == "adam":
+                pool_columns.append(vectors)
+            else:
+                target_columns.append(vectors)
+                kept = ok if kept is None else kept & ok
+    assert kept is not None  # at least one checkpoint
+    if not kept.any():
+        raise dg.Failure(
+            description=f"{dataset}: no sample of the less target set {target} has a response "
+            f"token within max_length={settings.max_length}"
+        )
+    grads = np.stack(pool_columns, axis=1)
+    table = write_table(
+        pl.DataFrame(
+            {
+                "sample_id": pool_ids,
+                "gradients": grads.reshape(len(pool_ids), -1).tolist(),
+            },
+            schema={"sample_id": pl.String, "gradients": pl.List(pl.Float32)},
+        ),
+        layout.table_uri(LESS_GRADIENTS, dataset),
+        guard=storage.guard,
+    )
+    context.log.info(
+        f"less: {len(pool_ids)} pool and {int(kept.sum())} target gradients at warm-up steps "
+        f"{steps} (learning rates {[f'{r:.3g}' for r in rates]}), projected to d = {d}"
+    )
+    return _LessGradients(
+        grads,
+        np.stack(target_columns, axis=1)[kept],
+        rates,
+        tuple(costs),
+        tuple(checkpoints),
+        target_table,
+        table,
     )

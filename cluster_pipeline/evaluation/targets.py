@@ -64,13 +64,16 @@ def _choice_sample(name: str, i: int, question: dict) -> Sample:
     )
 
 
-def target_problem(target: str | None, folders: Sequence[Path] | None) -> str | None:
+def target_problem(
+    target: str | None, folders: Sequence[Path] | None, selector: str = "rds"
+) -> str | None:
     """Why ``target`` names no target set (None when it does): empty, neither a benchmark of
     :data:`SUITES` nor an existing folder, or a benchmark whose file is in none of ``folders``
     (not looked for when ``folders`` is None). Reads nothing but file names (run checks call
-    it before any step)."""
+    it before any step); ``selector`` names who needs it."""
     if not target:
-        return f"rds needs a target set: a benchmark ({', '.join(SUITES)}) or a folder of samples"
+        benchmarks = ", ".join(SUITES)
+        return f"{selector} needs a target set: a benchmark ({benchmarks}) or a folder of samples"
     if target in SUITES:
         suite = SUITES[target]
         if folders is not None and suite.file and find_eval_file(folders, suite.file) is None:

@@ -46,6 +46,27 @@ class EmbedSettings(_Model, SequenceSettings, PackingSettings):
         )
 
 
+class GradientPass(_Model):
+    """less's gradient pass (selection/selectors/less.py) in place of the embedding: each
+    sample's LoRA gradient of its mean response loss under one warm-up checkpoint, Adam-
+    preconditioned with that checkpoint's optimizer state (``adam``, the pool) or plain
+    (``sgd``, the target set), randomly projected and L2-normalised
+    (selection/gradient_features.py); stored as the chunk's ``embedding`` column."""
+
+    checkpoint: str = Field(
+        description="A warm-up step folder: the peft adapter (adapter_config.json, "
+        "adapter_model.safetensors) and training_state.pt with the AdamW state."
+    )
+    preconditioner: Literal["adam", "sgd"] = "adam"
+    projection_dim: int = Field(default=8192, ge=1, description="d of the projection.")
+    projection_seed: int = Field(default=0, ge=0, description="Seed of the projection.")
+    project_rows: int = Field(
+        default=64,
+        ge=1,
+        description="Gradients projected together (the matrix is rebuilt once per group).",
+    )
+
+
 class EmbedJob(JobFile):
     """One embedding pass: settings plus the pinned input table and the chunk folder."""
 
@@ -60,6 +81,9 @@ class EmbedJob(JobFile):
     # ifd's unconditioned pass (data/tokenization.response_only): each sample's response tokens
     # without its prompt, so ``mean_loss`` is the response's loss alone.
     response_only: bool = False
+    # less's gradient pass instead of the embedding (the model is ``model_path`` with the
+    # checkpoint's adapter); None = the embedding pass.
+    gradients: GradientPass | None = None
     lm_head_chunk_rows: int = Field(default=1024, ge=1)
     progress_every_s: float = Field(default=30.0, gt=0)
 
@@ -116,6 +140,12 @@ class TrainSettings(_Model, SequenceSettings, PackingSettings):
         description="Save a resumable checkpoint every N optimizer steps (None = only at the end).",
     )
     keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
+    save_final_state: bool = Field(
+        default=False,
+        description="Also write the resumable step folder (optimizer state included) at the "
+        "last step when it falls on save_every_steps: less reads the AdamW moments of every "
+        "warm-up checkpoint, the last one too.",
+    )
     grad_cosine_every: int | None = Field(
         default=5,
         ge=1,

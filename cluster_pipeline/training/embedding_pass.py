@@ -1,6 +1,8 @@
 """One rank's share of the gradient-proxy embedding pass (docs/design.md, step 1): the training
 split cut into chunks of ``chunk_size``, rank r embedding chunks i with i mod W = r, each chunk
-written when complete (resumable), throughput and progress reported. The ``python -m`` entry
+written when complete (resumable), throughput and progress reported. With
+``EmbedJob.gradients`` the same chunks hold less's projected per-sample gradients instead
+(training/gradient_pass.py). The ``python -m`` entry
 point is :mod:`cluster_pipeline.recipes.embed`.
 """
 
@@ -118,6 +120,11 @@ def run_pass(job: EmbedJob, env, report) -> None:
     )
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(job.model_path, device=str(env.device))
+    gradients = None
+    if job.gradients is not None:  # less's gradient pass (training/gradient_pass.py)
+        from cluster_pipeline.training.gradient_pass import GradientModel
+
+        gradients = GradientModel(model, job.gradients, env.device)
     progress_file = chunk_dir / f"progress_rank{env.rank}.json"
     progress_file.unlink(missing_ok=True)  # counts of an earlier, interrupted run
     state: dict[str, Any] = {"samples": 0, "tokens": 0, "start": time.time(), "last": 0.0}
@@ -152,16 +159,21 @@ def run_pass(job: EmbedJob, env, report) -> None:
                 f"ETA {eta:.0f} s"
             )
 
-    if cfg.packing and not can_pack(model):
+    if gradients is None and cfg.packing and not can_pack(model):
         report.info(
             f"packing is on but {type(model).__name__} attends across packed samples "
             "(data/packing.can_pack): embedding with padded batches"
         )
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
-        out = embed_frame(
-            model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch, job.response_only
-        )
+        if gradients is not None:
+            from cluster_pipeline.training.gradient_pass import gradient_frame
+
+            out = gradient_frame(gradients, tokenizer, rows, cfg, on_batch)
+        else:
+            out = embed_frame(
+                model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch, job.response_only
+            )
         target = chunk_path(chunk_dir, i)
         tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
         out.write_parquet(tmp)

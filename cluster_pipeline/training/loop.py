@@ -573,7 +573,8 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
                 )
             )
             every = cfg.save_every_steps
-            if every and run.step % every == 0 and run.step < run.total_steps:
+            last = run.step == run.total_steps
+            if every and run.step % every == 0 and (not last or cfg.save_final_state):
                 save_intermediate(run, report)
     finally:
         if metrics_file is not None:

@@ -181,3 +181,77 @@ def proxy_cost(output_dir: Path, trained_now: bool) -> ProxyCost:
         seconds=float(info.get("train_seconds") or 0.0),
         run_now=int(sum(visits[resumed:])) if trained_now else 0,
     )
+
+
+# less's warm-up (selection/selectors/less.py): the same machinery on a random share of the
+# pool, with LoRA adapters and the optimizer state kept at every checkpoint.
+LESS_SEED = 0  # the share's draw: shared by every selection seed, like the proxy's training
+
+
+@dataclass(frozen=True)
+class LessWarmup:
+    """The knobs of less's warm-up and gradient passes (``peripheral_subsets.less_*``).
+
+    Attributes:
+        fraction: the share of the pool trained on (the paper's 5 %).
+        run: steps S, checkpoints C (every S / C steps) and peak learning rate.
+        lora_r: the adapters' rank.
+        projection_dim: d of the gradients' random projection.
+    """
+
+    fraction: float
+    run: ProxyRun
+    lora_r: int
+    projection_dim: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"the warm-up share {self.fraction} must be in (0, 1]")
+        if self.lora_r < 1:
+            raise ValueError(f"the warm-up's LoRA rank {self.lora_r} must be >= 1")
+
+
+def warmup_share(n: int, fraction: float, seed: int = LESS_SEED) -> np.ndarray:
+    """(S,) int64 sorted indices of the warm-up's samples among the pool's N: a seeded draw of
+    S = max(1, ceil(fraction x N)) without replacement (ceil of ``fraction x N`` rounded to 9
+    decimals)."""
+    size = max(1, math.ceil(round(fraction * n, 9)))
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n, size=min(size, n), replace=False)).astype(np.int64)
+
+
+def warmup_settings(
+    embed: EmbedSettings, warm: LessWarmup, allocation: Allocation
+) -> TrainSettings:
+    """The warm-up's training settings: :func:`proxy_settings` with LoRA rank ``lora_r``, all C
+    step folders kept and the last one written too (``save_final_state``), so each of the C
+    checkpoints holds its adapter and AdamW state."""
+    base = proxy_settings(embed, warm.run, allocation)
+    return base.model_copy(update={"lora_r": warm.lora_r, "save_final_state": True})
+
+
+def warmup_checkpoints(output_dir: Path) -> list[ProxyCheckpoint]:
+    """The step folders of a finished warm-up (adapter and ``training_state.pt`` each), in step
+    order ([] when the run has not finished)."""
+    if read_checkpoint(output_dir) is None:
+        return []
+    return [
+        ProxyCheckpoint(p, int(p.name.split("_")[-1]))
+        for p in CheckpointDir(intermediate_dir(output_dir)).all()
+    ]
+
+
+def mean_learning_rates(settings: TrainSettings, total_steps: int, steps: list[int]) -> list[float]:
+    """eta_i of each checkpoint: the mean learning rate of the optimizer steps since the
+    previous checkpoint (steps ``steps[i-1] + 1 .. steps[i]``, 1-based), under the run's
+    schedule (training/loop.lr_lambda: the lr of step s is peak x f(s - 1)); LESS's eta-bar_i,
+    the mean over the epoch ending at checkpoint i."""
+    from cluster_pipeline.training.loop import lr_lambda
+
+    f = lr_lambda(settings.schedule, int(settings.warmup_ratio * total_steps), total_steps)
+    out, previous = [], 0
+    for step in steps:
+        rates = [settings.learning_rate * f(s - 1) for s in range(previous + 1, step + 1)]
+        out.append(float(np.mean(rates)) if rates else 0.0)
+        previous = step
+    return out

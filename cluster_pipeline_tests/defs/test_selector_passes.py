@@ -225,3 +225,112 @@ def test_s2l_trains_a_proxy_and_selects_on_its_loss_trajectories(tiny_data_dir, 
         assert [p["run_now"] for p in again["selection_passes"]] == [0, 0, 0]
         assert again["s2l_proxy_checkpoints"] == m["s2l_proxy_checkpoints"]
         assert read(instance, "peripheral_subsets")["selected"].equals(subsets["selected"])
+
+
+@pytest.mark.slow
+def test_less_warms_up_lora_and_selects_by_gradient_influence(
+    tiny_data_dir, tiny_model_dir, tmp_path
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster_pipeline.data.packing import collate_rows
+    from cluster_pipeline.data.tokenization import encode_sample
+    from cluster_pipeline.selection.gradient_features import per_sample_gradients
+    from cluster_pipeline.training.config import GradientPass
+    from cluster_pipeline.training.gradient_pass import GradientModel
+
+    res = resources(tiny_data_dir, tiny_model_dir)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        chain_config = run_config_for(CHAIN, proxy_embeddings={"world_size": 2})
+        assert materialize_partition(CHAIN, instance, res, run_config=chain_config).success
+        # The target set: two training samples of the pool itself.
+        train = read(instance, "raw_instructions").filter(pl.col("split") == "train")
+        targets = train.head(2)
+        write_jsonl(
+            tmp_path / "targets" / "t.jsonl",
+            [
+                {"instruction": p, "output": r}
+                for p, r in zip(targets["prompt"], targets["response"], strict=True)
+            ],
+        )
+        less = {
+            "selector": "less",
+            "target": str(tmp_path / "targets"),
+            "ratio": 0.5,
+            "less_warmup_fraction": 0.25,
+            "less_warmup_steps": 4,
+            "less_checkpoints": 2,
+            "less_lora_r": 4,
+            "less_learning_rate": 1e-3,
+            "less_projection_dim": 1024,
+        }
+        config = run_config_for(SELECTION, peripheral_subsets=less)
+        result = materialize_partition(SELECTION, instance, res, run_config=config)
+        assert result.success
+        subsets = read(instance, "peripheral_subsets")
+        n = subsets.height
+        m = meta(instance, "peripheral_subsets")
+        names = [p["name"] for p in m["selection_passes"]]
+        # less reads nothing of the embedding pass (as s2l): its own passes only.
+        assert names == ["less_warmup", *["less_gradients", "less_targets"] * 2]
+        assert m["s2l_checkpoint_steps"] == [2, 4]
+        warm = m["selection_passes"][0]
+        assert warm["samples"] > 0 and warm["backward"] == warm["samples"]
+        grads = m["selection_passes"][1:]
+        assert [p["samples"] for p in grads] == [n, 2, n, 2]
+        assert all(p["backward"] == p["samples"] and p["run_now"] == p["samples"] for p in grads)
+        assert m["backward_passes"] == warm["samples"] + 2 * (n + 2)
+        assert m["forward_passes"] == warm["samples"] + 2 * (n + 2)
+        assert m["selection_target_samples"] == 2 and len(m["less_learning_rates"]) == 2
+        assert "less_gradients" in m["inputs"] and "selection_targets" in m["inputs"]
+        # Scores are weighted cosines, the kept ones the highest.
+        assert (subsets["score"].abs() <= 1 + 1e-4).all() and (subsets["weight"] == 1.0).all()
+        kept = subsets.filter(pl.col("selected"))["score"].to_numpy()
+        left = subsets.filter(~pl.col("selected"))["score"].to_numpy()
+        assert kept.min() >= left.max()
+        shards = read(instance, "shard_manifests")
+        assert Counter(shards["sample_id"]) == Counter(
+            subsets.filter(pl.col("selected"))["sample_id"]
+        )
+        assert all(c.passed for c in result.get_asset_check_evaluations())
+
+        # One sample's stored gradients (Adam-preconditioned, projected, normalised) and its
+        # score, recomputed here directly from the warm-up's checkpoints and the target set.
+        ref = m["inputs"]["less_gradients"]
+        table = pl.read_delta(ref["uri"], version=ref["version"])
+        assert table["sample_id"].to_list() == subsets["sample_id"].to_list()
+        raw = read(instance, "raw_instructions")
+        row = table.join(raw, on="sample_id", maintain_order="left").row(5, named=True)
+        ref = m["inputs"]["selection_targets"]
+        target_rows = pl.read_delta(ref["uri"], version=ref["version"])
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+        def features(checkpoint, kind, rows):
+            base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+            spec = GradientPass(checkpoint=checkpoint, preconditioner=kind, projection_dim=1024)
+            gm = GradientModel(base, spec, "cpu")
+            encoded = [
+                encode_sample(tokenizer, r["system"], r["prompt"], r["response"], 64) for r in rows
+            ]
+            batch = collate_rows(encoded, [[i] for i in range(len(rows))], tokenizer.pad_token_id)
+            g, _ = per_sample_gradients(gm.model, batch)
+            return gm.features(g).numpy()
+
+        weights = np.array(m["less_learning_rates"]) / sum(m["less_learning_rates"])
+        influence = np.zeros(2)
+        for i, checkpoint in enumerate(m["s2l_proxy_checkpoints"]):
+            mine = features(checkpoint, "adam", [row])[0]
+            stored = np.asarray(row["gradients"][i * 1024 : (i + 1) * 1024])
+            assert stored == pytest.approx(mine, abs=1e-4)
+            assert float(np.linalg.norm(mine)) == pytest.approx(1.0, abs=1e-5)
+            theirs = features(checkpoint, "sgd", list(target_rows.iter_rows(named=True)))
+            influence += weights[i] * (theirs @ mine)
+        score = subsets.filter(pl.col("sample_id") == row["sample_id"])["score"][0]
+        assert score == pytest.approx(influence.max(), abs=1e-4)
+
+        # Again: the warm-up is reused and every gradient comes from its cache.
+        assert materialize_partition(SELECTION, instance, res, run_config=config).success
+        again = meta(instance, "peripheral_subsets")
+        assert [p["run_now"] for p in again["selection_passes"]] == [0] * 5
+        assert read(instance, "peripheral_subsets")["selected"].equals(subsets["selected"])

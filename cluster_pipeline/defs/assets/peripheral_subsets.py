@@ -28,19 +28,29 @@ from cluster_pipeline.selection.selectors import (
     per_cluster_summary,
     run_selector,
     trains_a_proxy,
+    warms_up_lora,
 )
 from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, S2L_CLUSTERS
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_table
-from cluster_pipeline.training.proxy import ProxyRun
+from cluster_pipeline.training.proxy import LessWarmup, ProxyRun
 
-# The s2l knobs (refused for the other selectors: defs/run_checks.py).
+# The s2l knobs and the less knobs (refused for the other selectors: defs/run_checks.py).
 S2L_KNOBS = ("s2l_steps", "s2l_checkpoints", "s2l_clusters", "s2l_learning_rate")
+LESS_KNOBS = (
+    "less_warmup_fraction",
+    "less_warmup_steps",
+    "less_checkpoints",
+    "less_lora_r",
+    "less_learning_rate",
+    "less_projection_dim",
+)
 
 
 class PeripheralSubsetsConfig(dg.Config):
     """The selection knobs of a run: selector, ratio r, balance and seed; a targeted selector's
-    target set (rds) and s2l's proxy run and trajectory clusters."""
+    target set (rds, less), s2l's proxy run and trajectory clusters, and less's warm-up and
+    projection."""
 
     selector: Selector = Field(default="peripheral", description=describe())
     ratio: float = Field(
@@ -60,7 +70,7 @@ class PeripheralSubsetsConfig(dg.Config):
     )
     target: str | None = Field(
         default=None,
-        description="rds only: the target set to select towards: a benchmark of "
+        description="rds and less only: the target set to select towards: a benchmark of "
         "evaluation/suites.py (humaneval, mbpp, mmlu, mmlu_medical; its prompts with reference "
         "solutions, read from data/eval/ like eval_report's) or the absolute path of a folder "
         "of samples in any input form.",
@@ -68,8 +78,8 @@ class PeripheralSubsetsConfig(dg.Config):
     target_size: int = Field(
         default=64,
         ge=1,
-        description="rds only: at most this many target samples (a benchmark's first N items, "
-        "a folder's first N distinct samples).",
+        description="rds and less only: at most this many target samples (a benchmark's first "
+        "N items, a folder's first N distinct samples).",
     )
     s2l_steps: int = Field(
         default=8,
@@ -98,6 +108,58 @@ class PeripheralSubsetsConfig(dg.Config):
         description="s2l only: peak AdamW learning rate of the proxy run (the project's "
         "training default; the paper's 2e-5 moves a short run's losses little).",
     )
+
+    less_warmup_fraction: float = Field(
+        default=0.05,
+        gt=0.0,
+        le=1.0,
+        description="less only: the seeded random share of the clustered pool its LoRA warm-up "
+        "trains on (the paper's 5 %), at least one sample per rank of proxy_embeddings' world "
+        "size.",
+    )
+    less_warmup_steps: int = Field(
+        default=8,
+        ge=1,
+        description="less only: optimizer steps of the LoRA warm-up (under torchrun with "
+        "proxy_embeddings' world size, the project's training batch sizes); a multiple of "
+        "less_checkpoints. Sized for a CPU: the paper warms up for 4 epochs.",
+    )
+    less_checkpoints: int = Field(
+        default=4,
+        ge=1,
+        description="less only: C, the warm-up checkpoints (every less_warmup_steps / C steps, "
+        "the paper's 4) at which the pool's and the targets' per-sample gradients are taken: "
+        "one forward and one backward pass per sample each.",
+    )
+    less_lora_r: int = Field(
+        default=8,
+        ge=1,
+        description="less only: LoRA rank of the warm-up (peft's default target modules); the "
+        "gradients have the adapters' size. The paper's 128 makes them 16x longer.",
+    )
+    less_learning_rate: float = Field(
+        default=1e-4,
+        gt=0.0,
+        description="less only: peak AdamW learning rate of the warm-up (the paper's 2e-5 at "
+        "rank 128 moves a short run's adapters little).",
+    )
+    less_projection_dim: int = Field(
+        default=8192,
+        ge=1024,
+        description="less only: d, the dimension of the gradients' seeded Rademacher random "
+        "projection (the paper's 8192; a cosine's error is of order 1 / sqrt(d)).",
+    )
+
+    def less_warmup(self) -> LessWarmup | None:
+        """The warm-up and projection of less (None for the other selectors)."""
+        if not warms_up_lora(self.selector):
+            return None
+        return LessWarmup(
+            self.less_warmup_fraction,
+            ProxyRun(self.less_warmup_steps, self.less_checkpoints, self.less_learning_rate),
+            self.less_lora_r,
+            self.less_projection_dim,
+        )
 
     def proxy_run(self) -> ProxyRun | None:
         """s2l's proxy run (None for the other selectors)."""
@@ -148,6 +210,7 @@ def peripheral_subsets(
         clusters,
         frame,
         config.proxy_run(),
+        config.less_warmup(),
     )
     params = SelectionParams(config.ratio, config.seed, config.balance, config.s2l_clusters)
     try:
@@ -235,6 +298,7 @@ def _record(
         selection_target_samples=gathered.target_samples,
         s2l_proxy_checkpoints=list(gathered.proxy_checkpoints),
         s2l_checkpoint_steps=list(gathered.proxy_steps),
+        less_learning_rates=[round(r, 10) for r in gathered.less_learning_rates],
     )
 
 

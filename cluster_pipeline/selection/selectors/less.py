@@ -63,7 +63,7 @@ from cluster_pipeline.selection.selectors.base import (
 BLOCK_ROWS = 4096
 
 
-def checkpoint_weights(learning_rates: Sequence[float]) -> np.ndarray:
+def checkpoint_weights(learning_rates: Sequence[float] | np.ndarray) -> np.ndarray:
     """eta_i / sum_i eta_i, (C,) float64 (the authors' ``matching.py`` renormalisation).
 
     Raises:
@@ -87,7 +87,7 @@ def _per_checkpoint(x: np.ndarray, what: str) -> np.ndarray:
 def influence_scores(
     pool: np.ndarray,
     targets: np.ndarray,
-    learning_rates: Sequence[float],
+    learning_rates: Sequence[float] | np.ndarray,
     block_rows: int = BLOCK_ROWS,
 ) -> np.ndarray:
     """score(z) = max_{z'} sum_i eta_i cos(Gamma(z, theta_i), grad l(z'; theta_i)) (module
