@@ -115,12 +115,29 @@ BOUNDS = [
         "peripheral_subsets",
         {"ratoi": 0.5},
         "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance, "
-        "target, target_size, s2l_steps, s2l_checkpoints, s2l_clusters, s2l_learning_rate",
+        "target, target_size, s2l_steps, s2l_checkpoints, s2l_clusters, s2l_learning_rate, "
+        "less_warmup_fraction, less_warmup_steps, less_checkpoints, less_lora_r, "
+        "less_learning_rate, less_projection_dim",
     ),
     (
         "peripheral_subsets",
         {"selector": "s2l", "s2l_checkpoints": 1},
         "s2l_checkpoints = 1: Input should be greater than or equal to 2",
+    ),
+    (
+        "peripheral_subsets",
+        {"selector": "less", "target": "/", "less_projection_dim": 512},
+        "less_projection_dim = 512: Input should be greater than or equal to 1024",
+    ),
+    (
+        "peripheral_subsets",
+        {"selector": "less", "target": "/", "less_warmup_fraction": 0.0},
+        "less_warmup_fraction = 0.0: Input should be greater than 0",
+    ),
+    (
+        "peripheral_subsets",
+        {"selector": "less", "target": "/", "less_lora_r": 0},
+        "less_lora_r = 0: Input should be greater than or equal to 1",
     ),
 ]
 
@@ -227,6 +244,45 @@ RULES = [
         "peripheral_subsets.s2l_clusters = 100: more trajectory clusters than the 57 training "
         "samples of dataset 'tiny'; lower it",
     ),
+    (  # less needs a target set, like rds, refused before any model loads.
+        {"peripheral_subsets": {"selector": "less"}},
+        STAGES,
+        RunFacts(),
+        "peripheral_subsets.target = None: less needs a target set: a benchmark (humaneval, "
+        "mbpp, mmlu, mmlu_medical) or a folder of samples",
+    ),
+    (  # less's knobs: only with less, the checkpoints dividing the steps, a rank's share.
+        {"peripheral_subsets": {"less_warmup_steps": 6, "less_projection_dim": 2048}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.less_warmup_steps = 6: applies to selector less only (the selector "
+        "is 'peripheral'); peripheral_subsets.less_projection_dim = 2048: applies to selector "
+        "less only (the selector is 'peripheral')",
+    ),
+    (
+        {
+            "peripheral_subsets": {
+                "selector": "less",
+                "target": "/",
+                "less_warmup_steps": 6,
+                "less_checkpoints": 4,
+            }
+        },
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.less_warmup_steps = 6: must be a multiple of less_checkpoints = 4 "
+        "(the warm-up saves a checkpoint every less_warmup_steps / less_checkpoints steps)",
+    ),
+    (  # 5 % of 57 samples is 3 (ceil 2.85), fewer than the 4 ranks.
+        {
+            "proxy_embeddings": {"world_size": 4},
+            "peripheral_subsets": {"selector": "less", "target": "/"},
+        },
+        ["proxy_embeddings", "peripheral_subsets"],
+        RunFacts(train_samples=57),
+        "peripheral_subsets.less_warmup_fraction = 0.05: 3 of the 57 training samples for the "
+        "warm-up's 4 ranks (proxy_embeddings.world_size); at least one each",
+    ),
     (
         {"proxy_embeddings": {"max_length": 8}, "eval_report": {"max_length": 12}},
         STAGES,
@@ -272,6 +328,9 @@ def test_what_the_rules_allow():
     s2l = {"selector": "s2l", "s2l_steps": 6, "s2l_checkpoints": 3, "s2l_clusters": 57}
     check_stages(_config("peripheral_subsets", **s2l), STAGES, RunFacts(train_samples=57))
     check_stages(_config("peripheral_subsets", selector="s2l"), STAGES)
+    # less with its target and defaults, or its knobs within their rules.
+    less = {"selector": "less", "target": "/", "less_warmup_steps": 6, "less_checkpoints": 3}
+    check_stages(_config("peripheral_subsets", **less), STAGES, RunFacts(train_samples=57))
     # Stages outside the run are not checked by the rules (nor their absent config).
     check_stages(_config("balanced_clusters", num_clusters=100), ["proxy_embeddings"])
 
