@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help="the target set of a targeted selector (rds): a benchmark name or a folder",
+        help="the target set of a targeted selector (rds, less): a benchmark name or a folder",
     )
 
 
@@ -49,7 +49,7 @@ def compare_config(
 ) -> dict:
     """The run config of one selector x ratio x seed (see the module docstring): the seed is
     both the selection seed and the training seed (data order); ``target``: the target set of
-    a targeted selector (rds).
+    a targeted selector (rds, less).
 
     Raises:
         UnknownProfileError: ``profile`` is not a known size profile.
