@@ -103,8 +103,10 @@ def test_less_keeps_the_top_scores_up_to_the_global_budget():
     # Global budget: K floor(r m) = 2 * floor(0.5 * 4) = 4 samples.
     assert result.n_selected == 4
     order = np.argsort(result.selection_rank)
-    assert set(order[:2].tolist()) == {2, 5} and result.score[[2, 5]] == pytest.approx([1, 1])
-    assert (np.diff(result.score[order]) <= 1e-12).all()  # best first
+    score = result.score
+    assert score is not None
+    assert set(order[:2].tolist()) == {2, 5} and score[[2, 5]] == pytest.approx([1, 1])
+    assert (np.diff(score[order]) <= 1e-12).all()  # best first
     assert result.selected[order[:4]].all() and not result.selected[order[4:]].any()
     assert (result.weight == 1).all()
     # Token balance: K B tokens with B = floor(0.5 * 40) = 20: 40 tokens = 4 samples of 10.
@@ -160,7 +162,7 @@ def _samples(tokenizer, n):
         ("Add 10 and 5.", "10 + 5 = 15"),
         ("Say hi.", "hi there"),
     ]
-    return [encode_sample(tokenizer, None, p, r, 64) for p, r in texts[:n]]
+    return [encode_sample(tokenizer, "", p, r, 64) for p, r in texts[:n]]
 
 
 def test_per_sample_gradients_equal_one_plain_backward_per_sample(tiny_model, tiny_tokenizer):

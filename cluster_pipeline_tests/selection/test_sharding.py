@@ -47,6 +47,9 @@ def test_allocation_properties(clustering, selector, r):
         mean_loss=rng.uniform(0.1, 1.0, len(labels)),
         unconditioned_loss=rng.uniform(1.0, 2.0, len(labels)),
         loss_trajectories=rng.uniform(0.5, 3.0, (len(labels), 3)).astype(np.float32),
+        less_gradients=rng.normal(size=(len(labels), 2, 4)).astype(np.float32),
+        less_target_gradients=rng.normal(size=(3, 2, 4)).astype(np.float32),
+        less_learning_rates=np.array([2.0, 1.0]),
     )
     sel = run_selector(selector, inputs, SelectionParams(r, seed, s2l_clusters=2))
     alloc = allocate("ds", ids, labels, sel, k, seed)
