@@ -14,7 +14,7 @@ import yaml
 
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.cli.run_config import asset_list
-from cluster_pipeline.selection.selectors import SELECTORS
+from cluster_pipeline.selection.selectors import SELECTORS, needs_targets
 from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, TRAINED_CHECKPOINT
 
 
@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help="the target set of a targeted selector (rds, less): a benchmark name or a folder",
+        help="the target set of a targeted selector (rds, less): a benchmark name or a folder; "
+        "left out for the other selectors, which refuse one",
     )
 
 
@@ -64,7 +65,7 @@ def compare_config(
             subsets["ratio"] = 1.0
         elif ratio is not None:
             subsets["ratio"] = ratio
-        if target is not None:
+        if target is not None and needs_targets(selector):  # the others refuse one
             subsets["target"] = target
         ops[PERIPHERAL_SUBSETS] = {"config": subsets}
     if TRAINED_CHECKPOINT in ops:

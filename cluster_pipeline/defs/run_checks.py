@@ -35,6 +35,7 @@ A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +52,18 @@ from cluster_pipeline.defs.records import (
 from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
 from cluster_pipeline.evaluation.targets import target_problem
 from cluster_pipeline.models.loading import local_model
-from cluster_pipeline.selection.selectors import needs_targets, trains_a_proxy, warms_up_lora
+from cluster_pipeline.selection.selectors import (
+    REGISTRY,
+    needs_targets,
+    trains_a_proxy,
+    warms_up_lora,
+)
 from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
+
+# peripheral_subsets' knobs that only a targeted selector (rds, less) reads.
+TARGET_KNOBS = ("target", "target_size")
+TARGETED = tuple(name for name in REGISTRY if needs_targets(name))
 
 
 def stage_configs() -> dict[str, type[dg.Config]]:
@@ -141,10 +151,42 @@ def validate_stages(
         try:
             configs[stage] = classes[stage].model_validate(given)
         except pydantic.ValidationError as e:
+            bad = set()
             for err in e.errors():
                 knob = ".".join(str(x) for x in err["loc"]) or "config"
-                problems.append(f"{stage}.{knob} = {_value(err.get('input'))}: {_rule(err['msg'])}")
+                bad.add(str(err["loc"][0]) if err["loc"] else knob)
+                value = _value(err.get("input"))
+                owner = _owner(stage, knob, given, classes[stage])
+                rule = _rule(err["msg"]) if owner is None else owner
+                problems.append(f"{stage}.{knob} = {value}: {rule}")
+            # The rules across knobs and stages still run, over the knobs that are valid (the
+            # others at their defaults), so one message names every problem.
+            try:
+                valid = {k: v for k, v in given.items() if k not in bad}
+                configs[stage] = classes[stage].model_validate(valid)
+            except pydantic.ValidationError:
+                pass
     return configs, problems
+
+
+def _owner(stage: str, knob: str, given: Mapping[str, Any], cls: type[dg.Config]) -> str | None:
+    """For a peripheral_subsets knob of another selector than the run's: that it does not
+    apply (instead of the bound it broke, which would not matter); None otherwise."""
+    if stage != "peripheral_subsets":
+        return None
+    from cluster_pipeline.defs.assets.peripheral_subsets import LESS_KNOBS, S2L_KNOBS
+
+    selector = given.get("selector", cls.model_fields["selector"].default)
+    if knob in S2L_KNOBS and not trains_a_proxy(selector):
+        return f"applies to selector s2l only (the selector is {selector!r})"
+    if knob in LESS_KNOBS and not warms_up_lora(selector):
+        return f"applies to selector less only (the selector is {selector!r})"
+    if knob in TARGET_KNOBS and not needs_targets(selector):
+        return (
+            f"applies to the targeted selectors ({', '.join(TARGETED)}) only (the selector is "
+            f"{selector!r})"
+        )
+    return None
 
 
 def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
@@ -182,6 +224,16 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
         problem = target_problem(subsets.target, facts.eval_folders or None, subsets.selector)
         if problem is not None:
             problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
+    if subsets is not None and not needs_targets(subsets.selector):
+        problems += [
+            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to the "
+            f"targeted selectors ({', '.join(TARGETED)}) only (the selector is "
+            f"{subsets.selector!r})"
+            for knob in TARGET_KNOBS
+            if knob in subsets.model_fields_set
+        ]
+    if subsets is not None and clusters is not None and facts.train_samples is not None:
+        problems += _empty_subset_rule(subsets, clusters.num_clusters, embed, facts)
     if subsets is not None:
         problems += _s2l_rules(subsets, facts)
         problems += _less_rules(subsets, configs.get("proxy_embeddings"), facts)
@@ -202,6 +254,30 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
                     f"{facts.min_length}"
                 )
     return problems
+
+
+def _empty_subset_rule(subsets: Any, k: int, embed: Any, facts: RunFacts) -> list[str]:
+    """An empty subset, known before clustering. Sample balance keeps floor(r m) per cluster,
+    m the smallest cluster, m <= N / K; token balance floor(r L_min) tokens, L_min the smallest
+    cluster's tokens, L_min <= N x max_length / K. Either bound at 0 keeps nothing."""
+    if subsets.selector == "full":
+        return []
+    n, r = facts.train_samples or 0, subsets.ratio
+    if subsets.balance == "samples":
+        bound, what = f"floor(r N / K) = floor({r} x {n} / {k})", math.floor(round(r * n / k, 9))
+    else:
+        length = getattr(embed, "max_length", None)
+        if length is None:
+            return []
+        bound = f"floor(r N max_length / K) = floor({r} x {n} x {length} / {k})"
+        what = math.floor(round(r * n * length / k, 9))
+    if what > 0:
+        return []
+    unit = "samples" if subsets.balance == "samples" else "tokens"
+    return [
+        f"peripheral_subsets.ratio = {_value(r)}: keeps no sample: every cluster keeps at most "
+        f"{bound} = 0 {unit} (balance: {subsets.balance}); raise it"
+    ]
 
 
 def _s2l_rules(subsets: Any, facts: RunFacts) -> list[str]:
@@ -278,8 +354,7 @@ def check_stages(
         ConfigRefused: any problem (all of them in one line).
     """
     configs, problems = validate_stages(run_config, stages)
-    if not problems:
-        problems = stage_rules(configs, facts)
+    problems += stage_rules(configs, facts)
     if problems:
         raise ConfigRefused("; ".join(problems))
     return configs

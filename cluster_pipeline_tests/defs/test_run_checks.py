@@ -222,6 +222,54 @@ RULES = [
         "peripheral_subsets.target = 'mbpp': benchmark 'mbpp' reads mbpp_reworded.json, found "
         "in none of /no/eval",
     ),
+    (  # A target set only for the selectors that read one (a new-user trial's cases).
+        {"peripheral_subsets": {"target": "/no/such/folder", "target_size": 5}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.target = '/no/such/folder': applies to the targeted selectors "
+        "(rds, less) only (the selector is 'peripheral'); peripheral_subsets.target_size = 5: "
+        "applies to the targeted selectors (rds, less) only (the selector is 'peripheral')",
+    ),
+    (  # Another selector's knob out of its bounds: that it does not apply, not the bound.
+        {"peripheral_subsets": {"selector": "s2l", "less_projection_dim": 512}},
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.less_projection_dim = 512: applies to selector less only (the "
+        "selector is 's2l')",
+    ),
+    (  # A bound broken does not hide the rules across knobs: every problem in one message.
+        {
+            "peripheral_subsets": {
+                "selector": "s2l",
+                "ratio": 2.0,
+                "s2l_steps": 10,
+                "s2l_checkpoints": 3,
+                "target": "humaneva",
+            }
+        },
+        ["peripheral_subsets"],
+        RunFacts(),
+        "peripheral_subsets.ratio = 2.0: Input should be less than or equal to 1; "
+        "peripheral_subsets.target = 'humaneva': applies to the targeted selectors (rds, less) "
+        "only (the selector is 's2l'); peripheral_subsets.s2l_steps = 10: must be a multiple "
+        "of s2l_checkpoints = 3 (the proxy saves a checkpoint every s2l_steps / "
+        "s2l_checkpoints steps)",
+    ),
+    (  # An empty subset, known from N before clustering: floor(0.006 x 300 / 2) = 0.
+        {"peripheral_subsets": {"ratio": 0.006, "balance": "samples"}},
+        STAGES[:4],
+        RunFacts(train_samples=300),
+        "peripheral_subsets.ratio = 0.006: keeps no sample: every cluster keeps at most "
+        "floor(r N / K) = floor(0.006 x 300 / 2) = 0 samples (balance: samples); raise it",
+    ),
+    (  # ... and under token balance, at most max_length tokens a sample: 0.0077 < 1.
+        {"peripheral_subsets": {"ratio": 1e-7}},
+        STAGES[:4],
+        RunFacts(train_samples=300),
+        "peripheral_subsets.ratio = 1e-07: keeps no sample: every cluster keeps at most "
+        "floor(r N max_length / K) = floor(1e-07 x 300 x 256 / 2) = 0 tokens (balance: "
+        "tokens); raise it",
+    ),
     (  # s2l's knobs: only with s2l, the checkpoints dividing the steps, clusters <= N.
         {"peripheral_subsets": {"s2l_steps": 6, "s2l_clusters": 5}},
         ["peripheral_subsets"],
@@ -319,11 +367,12 @@ def test_what_the_rules_allow():
         ["proxy_embeddings"],
         RunFacts(min_length=16, text_records=True),
     )
-    # A target set that is a benchmark shipped in a package, or a folder; the target of a
-    # selector that reads none is not checked.
+    # A target set that is a benchmark shipped in a package, or a folder.
     for target in ("humaneval", "/"):
         check_stages(_config("peripheral_subsets", selector="rds", target=target), STAGES)
-    check_stages(_config("peripheral_subsets", target="/no/such/folder"), STAGES)
+    # One sample per cluster is not empty: floor(0.007 x 300 / 2) = 1; full ignores r.
+    for subsets in ({"ratio": 0.007, "balance": "samples"}, {"selector": "full", "ratio": 0.006}):
+        check_stages(_config("peripheral_subsets", **subsets), STAGES, RunFacts(train_samples=300))
     # s2l with its defaults, or steps the checkpoints divide, and clusters up to N.
     s2l = {"selector": "s2l", "s2l_steps": 6, "s2l_checkpoints": 3, "s2l_clusters": 57}
     check_stages(_config("peripheral_subsets", **s2l), STAGES, RunFacts(train_samples=57))
