@@ -222,6 +222,8 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
     subsets = configs.get("peripheral_subsets")
     if subsets is not None and needs_targets(subsets.selector):
         problem = target_problem(subsets.target, facts.eval_folders or None, subsets.selector)
+        if problem is None and Path(subsets.target).is_dir():
+            problem = _target_folder_problem(subsets.target, subsets.target_size)
         if problem is not None:
             problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
     if subsets is not None and not needs_targets(subsets.selector):
@@ -254,6 +256,22 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
                     f"{facts.min_length}"
                 )
     return problems
+
+
+def _target_folder_problem(folder: str, size: int) -> str | None:
+    """Why the target folder cannot give the selector its samples (None when it can): the first
+    ``size`` distinct samples are read now, as the selector's pass will read them, so an empty
+    folder or a bad file or record (named by file and line) is refused before any model loads."""
+    from cluster_pipeline.data.formats import DatasetFormatError
+    from cluster_pipeline.evaluation.targets import target_samples
+
+    try:
+        target_samples(folder, size, [])
+    except (ValueError, DatasetFormatError) as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot be read ({e}); give a folder of sample files this user can read"
+    return None
 
 
 def _empty_subset_rule(subsets: Any, k: int, embed: Any, facts: RunFacts) -> list[str]:

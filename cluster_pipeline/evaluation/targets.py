@@ -80,6 +80,8 @@ def target_problem(
             where = ", ".join(str(f) for f in folders)
             return f"benchmark {target!r} reads {suite.file}, found in none of {where}"
         return None
+    if Path(target).is_file():
+        return "a file, not a folder: give the folder that holds it (every data file in it is read)"
     if not Path(target).is_dir():
         return (
             f"neither a benchmark ({', '.join(SUITES)}) nor an existing folder of samples; "

@@ -27,6 +27,9 @@ def test_seed_is_the_selection_and_the_training_seed_and_ratio_is_set():
 def test_a_targeted_selector_gets_its_target_set_and_is_refused_without_one(capsys):
     cfg = compare_config("rds", 0, ASSETS, target="humaneval")["ops"]["peripheral_subsets"]
     assert cfg["config"]["selector"] == "rds" and cfg["config"]["target"] == "humaneval"
+    # A selector that reads no target set is not given one (it would refuse it).
+    cfg = compare_config("random_global", 0, ASSETS, target="humaneval")["ops"]
+    assert "target" not in cfg["peripheral_subsets"]["config"]
     with pytest.raises(SystemExit) as e:
         main(["compare-config", "rds", "0", "peripheral_subsets"])
     assert e.value.code == 2 and "rds needs a target set" in capsys.readouterr().err

@@ -12,6 +12,9 @@ from cluster_pipeline.defs.run_checks import ConfigRefused, RunFacts, check_stag
 from cluster_pipeline.defs.stages import STAGES
 from cluster_pipeline.selection.selectors import SELECTORS
 
+# A folder of two valid samples: a target set the run check reads.
+TARGET_SET = str(Path(__file__).parent / "target_set")
+
 
 def _config(stage: str, **knobs) -> dict:
     return {"ops": {stage: {"config": knobs}}}
@@ -126,17 +129,17 @@ BOUNDS = [
     ),
     (
         "peripheral_subsets",
-        {"selector": "less", "target": "/", "less_projection_dim": 512},
+        {"selector": "less", "target": TARGET_SET, "less_projection_dim": 512},
         "less_projection_dim = 512: Input should be greater than or equal to 1024",
     ),
     (
         "peripheral_subsets",
-        {"selector": "less", "target": "/", "less_warmup_fraction": 0.0},
+        {"selector": "less", "target": TARGET_SET, "less_warmup_fraction": 0.0},
         "less_warmup_fraction = 0.0: Input should be greater than 0",
     ),
     (
         "peripheral_subsets",
-        {"selector": "less", "target": "/", "less_lora_r": 0},
+        {"selector": "less", "target": TARGET_SET, "less_lora_r": 0},
         "less_lora_r = 0: Input should be greater than or equal to 1",
     ),
 ]
@@ -311,7 +314,7 @@ RULES = [
         {
             "peripheral_subsets": {
                 "selector": "less",
-                "target": "/",
+                "target": TARGET_SET,
                 "less_warmup_steps": 6,
                 "less_checkpoints": 4,
             }
@@ -324,7 +327,7 @@ RULES = [
     (  # 5 % of 57 samples is 3 (ceil 2.85), fewer than the 4 ranks.
         {
             "proxy_embeddings": {"world_size": 4},
-            "peripheral_subsets": {"selector": "less", "target": "/"},
+            "peripheral_subsets": {"selector": "less", "target": TARGET_SET},
         },
         ["proxy_embeddings", "peripheral_subsets"],
         RunFacts(train_samples=57),
@@ -368,7 +371,7 @@ def test_what_the_rules_allow():
         RunFacts(min_length=16, text_records=True),
     )
     # A target set that is a benchmark shipped in a package, or a folder.
-    for target in ("humaneval", "/"):
+    for target in ("humaneval", TARGET_SET):
         check_stages(_config("peripheral_subsets", selector="rds", target=target), STAGES)
     # One sample per cluster is not empty: floor(0.007 x 300 / 2) = 1; full ignores r.
     for subsets in ({"ratio": 0.007, "balance": "samples"}, {"selector": "full", "ratio": 0.006}):
@@ -378,7 +381,7 @@ def test_what_the_rules_allow():
     check_stages(_config("peripheral_subsets", **s2l), STAGES, RunFacts(train_samples=57))
     check_stages(_config("peripheral_subsets", selector="s2l"), STAGES)
     # less with its target and defaults, or its knobs within their rules.
-    less = {"selector": "less", "target": "/", "less_warmup_steps": 6, "less_checkpoints": 3}
+    less = {"selector": "less", "target": TARGET_SET, "less_warmup_steps": 6, "less_checkpoints": 3}
     check_stages(_config("peripheral_subsets", **less), STAGES, RunFacts(train_samples=57))
     # Stages outside the run are not checked by the rules (nor their absent config).
     check_stages(_config("balanced_clusters", num_clusters=100), ["proxy_embeddings"])
@@ -394,3 +397,55 @@ def test_min_prompted_length_is_the_shortest_that_keeps_an_answer(tiny_tokenizer
     messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": "The sum."}]
     assert encode_conversation(tiny_tokenizer, messages, n).n_response_tokens == 1
     assert encode_conversation(tiny_tokenizer, messages, n - 1).skip_reason is not None
+
+
+def test_a_target_folder_is_read_before_any_model_loads(tmp_path):
+    """less's and rds's target folder: empty, an empty file, invalid JSON, a record of no form
+    and a file instead of a folder are each refused by the run check, with file and line."""
+    cases = {
+        "empty": (
+            None,
+            "{d}: no .json, .jsonl, .parquet, .arrow files found; put the dataset's "
+            "files in this folder.",
+        ),
+        "emptyfile": (
+            "",
+            "{d}/a.jsonl: holds no records (0 bytes); remove the file or put the "
+            "dataset's records in it.",
+        ),
+        "noform": (
+            '{"foo": "bar"}\n',
+            "{d}/a.jsonl:1: record with keys ['foo'] matches no accepted form.",
+        ),
+    }
+    for name, (text, message) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        if text is not None:
+            (folder / "a.jsonl").write_text(text)
+        for selector in ("less", "rds"):
+            with pytest.raises(ConfigRefused) as e:
+                check_stages(
+                    _config("peripheral_subsets", selector=selector, target=str(folder)),
+                    ["peripheral_subsets"],
+                )
+            assert str(e.value).startswith(
+                f"peripheral_subsets.target = '{folder}': " + message.format(d=folder)
+            )
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.json").write_text('[{"instruction": "a", "output": "b"},]')
+    with pytest.raises(ConfigRefused, match=r"bad/a\.json:1:38: invalid JSON \(Expecting value\)"):
+        check_stages(_config("peripheral_subsets", selector="less", target=str(bad)), STAGES)
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "a.jsonl").write_text('{"instruction": "Write add", "output": "def add(a, b): ..."}\n')
+    check_stages(_config("peripheral_subsets", selector="less", target=str(good)), STAGES)
+    with pytest.raises(ConfigRefused) as e:
+        check_stages(
+            _config("peripheral_subsets", selector="rds", target=str(good / "a.jsonl")), STAGES
+        )
+    assert str(e.value) == (
+        f"peripheral_subsets.target = '{good / 'a.jsonl'}': a file, not a folder: give the "
+        "folder that holds it (every data file in it is read)"
+    )
