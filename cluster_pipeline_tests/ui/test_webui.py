@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
@@ -131,6 +132,12 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
 
         page.goto(f"{url}/locations/cluster_pipeline/jobs/selection_job", wait_until="networkidle")
         page.get_by_role("button", name="Materialize all…").click()
+        # sample_lineage (in the job) depends on trained_checkpoint (not in it), so Dagster asks
+        # first; the lineage does not need a checkpoint (README: "confirm").
+        dialog = page.locator("[role=dialog]").filter(has_text="Are you sure?")
+        dialog.wait_for(timeout=30000)
+        assert dialog.locator("li").all_inner_texts() == ["trained_checkpoint"]
+        dialog.get_by_role("button", name="Confirm").click()
         page.get_by_text("Select a partition or create one").click()
         page.locator("span", has_text="tiny").first.click()
         page.get_by_text("Launch runs to materialize").click()  # closes the partition list
@@ -180,6 +187,8 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         assert "sq_distance" in table.inner_text() and table.locator("tr").count() >= 5
         page.screenshot(path=ARTIFACTS / "07_preview_table.png")
     assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
+    lineage = pl.read_delta(str(data / "tables" / "sample_lineage" / "tiny"))
+    assert lineage.height == 60 and lineage["checkpoints"].list.len().sum() == 0
 
 
 def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
