@@ -23,8 +23,10 @@ import polars as pl
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.selection.selectors import PassCost
+from cluster_pipeline.selection.selectors.base import mib_of
 from cluster_pipeline.storage.embedding_cache import (
     cache_key,
+    cached_pass_stats,
     pending_pass,
     pool_seconds,
     read_cached,
@@ -54,14 +56,18 @@ class CachedPass:
 
     def cost(self, name: str) -> PassCost:
         """The pass's cost record: one forward per sample (skipped samples are not run), its
-        tokens, and its seconds at the rate the cache measured."""
+        tokens, its seconds at the rate the cache measured, and the peak memory of the passes
+        that filled the cache."""
         ran = self.rows.filter(pl.col("skip_reason").is_null())
+        logged = cached_pass_stats(self.cache_dir)
         return PassCost(
             name,
             samples=ran.height,
             tokens=int(ran["n_tokens"].sum()),
             seconds=pool_seconds(self.cache_dir, self.rows.height),
             run_now=self.embedded_now,
+            peak_rss_mib=mib_of(logged, "peak_rss_bytes"),
+            peak_cuda_mib=mib_of(logged, "peak_cuda_bytes"),
         )
 
 

@@ -176,6 +176,10 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     # The pass's EmbedSettings: the selectors' own passes (rds's targets, ifd's unconditioned
     # losses) run under the same ones.
     embed_settings: dict[str, Any] = field(default_factory=dict)
+    # The largest rank's peak resident / CUDA memory (MiB) over the passes that filled the
+    # cache (None for a cache from before 2026-12-02).
+    peak_rss_mib: float | None = None
+    peak_cuda_mib: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +248,9 @@ class PeripheralSubsetsRecord(SelectionRecord):
     forward_passes: int = 0
     backward_passes: int = 0
     selection_passes: list[dict[str, Any]] = field(default_factory=list)
+    # The largest rank's peak resident / CUDA memory (MiB) over those passes (None: unrecorded).
+    selection_peak_rss_mib: float | None = None
+    selection_peak_cuda_mib: float | None = None
     # A targeted selector's (rds, less) target set: its name or folder, and its samples used.
     selection_target: str | None = None
     selection_target_samples: int = 0

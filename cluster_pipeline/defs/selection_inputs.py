@@ -145,6 +145,8 @@ def gather_inputs(
             tokens=int(frame["n_tokens"].sum()),
             seconds=pool.selection_seconds,
             run_now=pool.samples_embedded_now,
+            peak_rss_mib=pool.peak_rss_mib,
+            peak_cuda_mib=pool.peak_cuda_mib,
         )
     ]
     hidden = mean_loss = unconditioned = None
@@ -499,22 +501,45 @@ def _proxy_run(
         proxy.steps,
         proxy.every,
     )
-    checkpoints = proxy_checkpoints(output_dir)
+    checkpoints = _checked_steps(
+        context.partition_key, "the s2l proxy run", output_dir, proxy_checkpoints(output_dir), proxy
+    )
+    return checkpoints, _training_cost(PASS_S2L_PROXY, output_dir, trained_now)
+
+
+def _checked_steps(
+    dataset: str, what: str, output_dir: Path, checkpoints: list[ProxyCheckpoint], run: ProxyRun
+) -> list[ProxyCheckpoint]:
+    """``checkpoints`` of the finished brief run at ``output_dir``, checked to sit at steps
+    ``every, 2 every, ..., C every`` of ``run``.
+
+    Raises:
+        dagster.Failure: the run holds checkpoints at other steps (it was trained with other
+            settings, or edited by hand).
+    """
     steps = [c.step for c in checkpoints]
-    want = [proxy.every * (t + 1) for t in range(proxy.checkpoints)]
+    want = [run.every * (t + 1) for t in range(run.checkpoints)]
     if steps != want:
         raise dg.Failure(
-            description=f"{context.partition_key}: the s2l proxy run {output_dir} holds "
-            f"checkpoints at steps {steps}, expected {want}"
+            description=f"{dataset}: {what} {output_dir} holds checkpoints at steps {steps}, "
+            f"expected {want}"
         )
+    return checkpoints
+
+
+def _training_cost(name: str, output_dir: Path, trained_now: bool) -> PassCost:
+    """The cost record of a brief training run (s2l's proxy, less's warm-up): one forward and
+    one backward per sample visit, its seconds and peak memory."""
     cost = proxy_cost(output_dir, trained_now)
-    return checkpoints, PassCost(
-        PASS_S2L_PROXY,
+    return PassCost(
+        name,
         samples=cost.samples,
         tokens=cost.tokens,
         seconds=cost.seconds,
         backward=cost.samples,
         run_now=cost.run_now,
+        peak_rss_mib=None if cost.peak_rss_bytes is None else cost.peak_rss_bytes / 2**20,
+        peak_cuda_mib=None if cost.peak_cuda_bytes is None else cost.peak_cuda_bytes / 2**20,
     )
 
 
@@ -582,26 +607,12 @@ def _less_gradients(
         run.steps,
         run.every,
     )
-    checkpoints = warmup_checkpoints(output_dir)
+    checkpoints = _checked_steps(
+        dataset, "the less warm-up", output_dir, warmup_checkpoints(output_dir), run
+    )
     steps = [c.step for c in checkpoints]
-    want = [run.every * (t + 1) for t in range(run.checkpoints)]
-    if steps != want:
-        raise dg.Failure(
-            description=f"{dataset}: the less warm-up {output_dir} holds checkpoints at steps "
-            f"{steps}, expected {want}"
-        )
     rates = mean_learning_rates(train["settings"], run.steps, steps)
-    cost = proxy_cost(output_dir, trained_now)
-    costs = [
-        PassCost(
-            PASS_LESS_WARMUP,
-            samples=cost.samples,
-            tokens=cost.tokens,
-            seconds=cost.seconds,
-            backward=cost.samples,
-            run_now=cost.run_now,
-        )
-    ]
+    costs = [_training_cost(PASS_LESS_WARMUP, output_dir, trained_now)]
     pool_ids, target_ids = frame["sample_id"].to_list(), targets_frame["sample_id"].to_list()
     d = warm.projection_dim
     pool_columns, target_columns, kept = [], [], None

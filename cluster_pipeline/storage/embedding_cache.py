@@ -179,8 +179,10 @@ def store_pass(
 
 def cached_pass_stats(cache_dir: Path) -> dict[str, float]:
     """Totals over every pass logged in a cache folder: samples, tokens, seconds (each pass's
-    slowest rank), passes. {} before the first pass. Lines that are not JSON objects (a log
-    edited by hand) are left out: the figures are informative, not needed."""
+    slowest rank), passes, and the peaks ``peak_rss_bytes`` / ``peak_cuda_bytes`` (the largest
+    rank's, maximum over the passes that recorded them). {} before the first pass. Lines that
+    are not JSON objects (a log edited by hand) are left out: the figures are informative, not
+    needed."""
     path = cache_dir / PASS_LOG
     if not path.exists():
         return {}
@@ -196,7 +198,13 @@ def cached_pass_stats(cache_dir: Path) -> dict[str, float]:
         key: float(sum(float(r.get(key, 0.0)) for r in rows))
         for key in ("samples", "tokens", "seconds")
     }
-    return {**totals, "passes": float(len(rows))}
+    # The largest rank's peak memory over the passes that recorded one (bytes).
+    peaks = {
+        key: max(float(r[key]) for r in rows if key in r)
+        for key in ("peak_rss_bytes", "peak_cuda_bytes")
+        if any(key in r for r in rows)
+    }
+    return {**totals, **peaks, "passes": float(len(rows))}
 
 
 def read_cached(cache_dir: Path, sample_ids: list[str]) -> pl.DataFrame:

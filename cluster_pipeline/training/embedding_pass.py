@@ -32,6 +32,7 @@ from cluster_pipeline.storage.embedding_cache import (
 )
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
 from cluster_pipeline.training.distributed import all_gather_floats
+from cluster_pipeline.training.memory import peak_memory_bytes
 
 
 def read_train_split(uri: str, version: int) -> pl.DataFrame:
@@ -180,7 +181,7 @@ def run_pass(job: EmbedJob, env, report) -> None:
         check_alive(f"write embedding chunk {target}")
         os.replace(tmp, target)
     elapsed = time.time() - state["start"]
-    totals = [state["samples"], state["tokens"], elapsed]
+    totals = [state["samples"], state["tokens"], elapsed, *peak_memory_bytes()]
     gathered = all_gather_floats([float(x) for x in totals], env)
     report.info(
         f"embedding pass done: {sum(g[0] for g in gathered):.0f} samples, "
@@ -194,6 +195,9 @@ def run_pass(job: EmbedJob, env, report) -> None:
                     "tokens": sum(g[1] for g in gathered),
                     "seconds": max(g[2] for g in gathered),
                     "world_size": env.world_size,
+                    # The largest rank's peaks (bytes; CUDA 0 on the CPU).
+                    "peak_rss_bytes": max(g[3] for g in gathered),
+                    "peak_cuda_bytes": max(g[4] for g in gathered),
                 }
             )
         )

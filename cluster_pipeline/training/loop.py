@@ -13,7 +13,6 @@ by the ``trained_checkpoint`` asset), writes the per-step metrics and saves.
 
 import json
 import math
-import resource
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -59,7 +58,11 @@ from cluster_pipeline.training.distributed import (
     all_gather_floats,
 )
 from cluster_pipeline.training.gradients import cosine_matrix, count_sketch, mean_offdiagonal
-from cluster_pipeline.training.memory import MemoryTrace, limit_heap_fragmentation
+from cluster_pipeline.training.memory import (
+    MemoryTrace,
+    limit_heap_fragmentation,
+    peak_memory_bytes,
+)
 from cluster_pipeline.training.parallel import apply_lora, gradient_sync, is_fsdp, total_norm, wrap
 from cluster_pipeline.training.plan import Step, plan_packed, plan_padded, useful_compute_fraction
 from cluster_pipeline.training.step import accumulate, clock
@@ -467,13 +470,9 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     state = None if plain else full_state_dict(run.model)
     run.memory.mark("gathered for export")
     memory = _gather_objects(run.memory.marks, run.env)
-    # Peak resident memory of each rank so far (Linux reports ru_maxrss in KiB).
-    peak_rss = [
-        int(g[0])
-        for g in all_gather_floats(
-            [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], run.env
-        )
-    ]
+    # Peak resident and CUDA memory of each rank so far (bytes).
+    peaks = all_gather_floats([float(b) for b in peak_memory_bytes()], run.env)
+    peak_rss, peak_cuda = [int(g[0]) for g in peaks], [int(g[1]) for g in peaks]
     # The loss multipliers the ranks applied (w_c, or 1 with reweight: false), in rank order.
     rank_weights = _gather_weights(run.weight, run.env)
     if run.env.is_main:
@@ -497,6 +496,7 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
             "packed": run.packed,
             **compute_summary(run.history),
             "peak_rss_bytes_per_rank": peak_rss,
+            "peak_cuda_bytes_per_rank": peak_cuda,
             "memory_per_rank": memory,
         }
         if state is None:

@@ -34,6 +34,18 @@ def resident_bytes() -> tuple[int, int]:
         return 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_memory_bytes() -> tuple[int, int]:
+    """(peak resident bytes, peak CUDA bytes) of this process so far: VmHWM
+    (:func:`resident_bytes`) and ``torch.cuda.max_memory_allocated`` of the current device (0
+    without CUDA). What a pass's or a training run's cost record calls its peak memory."""
+    cuda = (
+        int(torch.cuda.max_memory_allocated())
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else 0
+    )
+    return resident_bytes()[1], cuda
+
+
 def release_free_heap() -> None:
     """Hand the heap pages glibc keeps after tensors are freed back to the kernel
     (``malloc_trim(0)``); a no-op where glibc is absent. Freed CPU tensors below glibc's mmap

@@ -159,12 +159,16 @@ def proxy_checkpoints(output_dir: Path) -> list[ProxyCheckpoint]:
 class ProxyCost:
     """What a proxy run cost: sample visits over all steps and ranks (one forward and one
     backward pass each), their real tokens, the training seconds (resumed runs included) and
-    the visits of the steps this launch ran (0 when the finished run was reused)."""
+    the visits of the steps this launch ran (0 when the finished run was reused), and the
+    largest rank's peak resident and CUDA memory (bytes; None for a run saved before
+    2026-12-02 without them)."""
 
     samples: int
     tokens: int
     seconds: float
     run_now: int
+    peak_rss_bytes: int | None = None
+    peak_cuda_bytes: int | None = None
 
 
 def proxy_cost(output_dir: Path, trained_now: bool) -> ProxyCost:
@@ -180,7 +184,13 @@ def proxy_cost(output_dir: Path, trained_now: bool) -> ProxyCost:
         tokens=int(sum(sum(h.get("real_tokens_per_rank", [])) for h in history)),
         seconds=float(info.get("train_seconds") or 0.0),
         run_now=int(sum(visits[resumed:])) if trained_now else 0,
+        peak_rss_bytes=_largest(info.get("peak_rss_bytes_per_rank")),
+        peak_cuda_bytes=_largest(info.get("peak_cuda_bytes_per_rank")),
     )
+
+
+def _largest(per_rank: list | None) -> int | None:
+    return int(max(per_rank)) if per_rank else None
 
 
 # less's warm-up (selection/selectors/less.py): the same machinery on a random share of the

@@ -26,6 +26,16 @@ ASSETS = pipeline_assets()
 CHAIN, SELECTION = ASSETS[:3], ASSETS[3:5]
 
 
+def assert_peaks_recorded(m: dict) -> None:
+    """Every pass of a cost record has its largest rank's peak memory: resident memory of a
+    process that imported torch (over 100 MiB), no CUDA memory on the CPU; the record's peak
+    is the largest of them."""
+    rss = [p["peak_rss_mib"] for p in m["selection_passes"]]
+    assert all(r is not None and r > 100 for r in rss), rss
+    assert all(p["peak_cuda_mib"] == 0.0 for p in m["selection_passes"])
+    assert m["selection_peak_rss_mib"] == max(rss) and m["selection_peak_cuda_mib"] == 0.0
+
+
 @pytest.mark.slow
 def test_rds_selects_towards_a_target_folder_through_the_assets(
     tiny_data_dir, tiny_model_dir, tmp_path
@@ -65,6 +75,7 @@ def test_rds_selects_towards_a_target_folder_through_the_assets(
         assert [p["name"] for p in m["selection_passes"]] == ["embedding", "targets"]
         assert m["forward_passes"] == subsets.height + 4 and m["backward_passes"] == 0
         assert m["selection_passes"][1]["run_now"] == 4
+        assert_peaks_recorded(m)
         assert "selection_targets" in m["inputs"]
         # Random balanced shards (the paper's baselines): weight 1, every selected sample once.
         shards = read(instance, "shard_manifests")
@@ -128,6 +139,7 @@ def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(tiny_data_dir, t
         assert [p["name"] for p in m["selection_passes"]] == ["embedding", "unconditioned"]
         assert m["forward_passes"] == 2 * n and m["backward_passes"] == 0
         assert m["selection_passes"][1]["run_now"] == n
+        assert_peaks_recorded(m)
         # The kept samples are the most difficult of those with IFD < 1 (a prefix of the order).
         kept = subsets.filter(pl.col("selected"))["score"].to_numpy()
         left = subsets.filter(~pl.col("selected") & (pl.col("score") < 1))["score"].to_numpy()
@@ -181,6 +193,7 @@ def test_s2l_trains_a_proxy_and_selects_on_its_loss_trajectories(tiny_data_dir, 
         assert m["backward_passes"] == proxy["samples"]
         assert m["forward_passes"] == proxy["samples"] + 2 * n
         assert all(p["run_now"] == n for p in m["selection_passes"][1:])
+        assert_peaks_recorded(m)
         # Algorithm 1 over 3 trajectory clusters, up to the global budget; weight 1, random
         # balanced shards holding every selected sample once.
         assert subsets["score"].null_count() == 0 and (subsets["weight"] == 1.0).all()
@@ -282,6 +295,7 @@ def test_less_warms_up_lora_and_selects_by_gradient_influence(
         assert all(p["backward"] == p["samples"] and p["run_now"] == p["samples"] for p in grads)
         assert m["backward_passes"] == warm["samples"] + 2 * (n + 2)
         assert m["forward_passes"] == warm["samples"] + 2 * (n + 2)
+        assert_peaks_recorded(m)
         assert m["selection_target_samples"] == 2 and len(m["less_learning_rates"]) == 2
         assert "less_gradients" in m["inputs"] and "selection_targets" in m["inputs"]
         # Scores are weighted cosines, the kept ones the highest.

@@ -65,6 +65,23 @@ def test_a_refresh_embeds_what_the_cache_lacks_and_reads_any_pool_in_order(tmp_p
     }
 
 
+def test_the_cache_keeps_the_largest_peak_memory_of_the_passes_that_recorded_one(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old = _pass(tmp_path / "p1", ["a", "b"])  # a pass from before peaks were recorded
+    store_pass(cache, old, ["a", "b"], 2)
+    assert "peak_rss_bytes" not in cached_pass_stats(cache)
+    for name, ids, rss in (("p2", ["c"], 3 * 2**20), ("p3", ["d"], 2 * 2**20)):
+        folder = _pass(tmp_path / name, ids)
+        stats = json.loads((folder / PASS_STATS).read_text())
+        stats.update(peak_rss_bytes=rss, peak_cuda_bytes=0)
+        (folder / PASS_STATS).write_text(json.dumps(stats))
+        store_pass(cache, folder, ids, 2)
+    totals = cached_pass_stats(cache)
+    assert totals["peak_rss_bytes"] == 3 * 2**20 and totals["peak_cuda_bytes"] == 0.0
+    assert totals["passes"] == 3.0
+
+
 def test_recompute_replaces_the_cache_only_once_its_pass_is_complete(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -30,7 +30,7 @@ from cluster_pipeline.selection.selectors import (
     trains_a_proxy,
     warms_up_lora,
 )
-from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, S2L_CLUSTERS
+from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, S2L_CLUSTERS, round_mib
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_table
 from cluster_pipeline.training.proxy import LessWarmup, ProxyRun
@@ -294,6 +294,8 @@ def _record(
         forward_passes=cost.forward_passes,
         backward_passes=cost.backward_passes,
         selection_passes=[p.to_dict() for p in cost.passes],
+        selection_peak_rss_mib=round_mib(cost.peak_rss_mib),
+        selection_peak_cuda_mib=round_mib(cost.peak_cuda_mib),
         selection_target=gathered.target,
         selection_target_samples=gathered.target_samples,
         s2l_proxy_checkpoints=list(gathered.proxy_checkpoints),
@@ -313,8 +315,15 @@ def _log_line(record: PeripheralSubsetsRecord) -> str:
         f"{[round(w, 4) for w in r.cluster_weights]}; gradient diversity "
         f"{r.gradient_diversity:.4f} (pool {r.pool_gradient_diversity:.4f}); cost "
         f"{r.selector_seconds:.3f} s and {r.forward_passes} forward / {r.backward_passes} "
-        f"backward passes ({passes})"
+        f"backward passes ({passes}), peak memory per rank "
+        f"{_memory(r.selection_peak_rss_mib, r.selection_peak_cuda_mib)}"
     )
+
+
+def _memory(rss_mib: float | None, cuda_mib: float | None) -> str:
+    if rss_mib is None:
+        return "not recorded"
+    return f"{rss_mib:.0f} MiB resident" + (f", {cuda_mib:.0f} MiB CUDA" if cuda_mib else "")
 
 
 def _selection_map(

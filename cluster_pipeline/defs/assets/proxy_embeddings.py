@@ -14,6 +14,7 @@ from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, 
 from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.selection.embedding import assemble_table
+from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, round_mib
 from cluster_pipeline.storage.embedding_cache import CacheUnreadable, pool_seconds
 from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
@@ -93,6 +94,7 @@ def proxy_embeddings(
     _log_outcome(context, result, instructions, settings, time.perf_counter() - start)
     stats = done.stats
     pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
+    peaks = done.cost(PASS_EMBEDDING)
     record = ProxyEmbeddingsRecord(
         table=table,
         inputs=instructions.lineage(),
@@ -111,6 +113,8 @@ def proxy_embeddings(
         mean_loss=round(mean_of(result.frame["mean_loss"]), 4),
         base_model=model_path,
         embed_settings=settings.model_dump(),
+        peak_rss_mib=round_mib(peaks.peak_rss_mib),
+        peak_cuda_mib=round_mib(peaks.peak_cuda_mib),
     )
     shown = ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"]
     return dg.MaterializeResult(

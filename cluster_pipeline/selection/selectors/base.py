@@ -75,6 +75,10 @@ class PassCost:
         backward: backward passes (per sample visit: s2l's proxy training, less's warm-up;
             one per sample for less's gradient passes).
         run_now: samples this run passed through the model (the others were cached).
+        peak_rss_mib: the largest rank's peak resident memory (MiB) over the runs that
+            computed the pass (None where they did not record it: a cache from before
+            2026-12-02).
+        peak_cuda_mib: the same for CUDA memory allocated by torch (0 on the CPU).
     """
 
     name: str
@@ -83,9 +87,11 @@ class PassCost:
     seconds: float
     backward: int = 0
     run_now: int = 0
+    peak_rss_mib: float | None = None
+    peak_cuda_mib: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (seconds rounded to 0.01 s)."""
+        """JSON-ready fields (seconds rounded to 0.01 s, memory to 0.1 MiB)."""
         return {
             "name": self.name,
             "samples": self.samples,
@@ -93,7 +99,19 @@ class PassCost:
             "seconds": round(self.seconds, 2),
             "backward": self.backward,
             "run_now": self.run_now,
+            "peak_rss_mib": round_mib(self.peak_rss_mib),
+            "peak_cuda_mib": round_mib(self.peak_cuda_mib),
         }
+
+
+def round_mib(value: float | None) -> float | None:
+    """A memory figure in MiB to 0.1 MiB (None stays None: not recorded)."""
+    return None if value is None else round(value, 1)
+
+
+def mib_of(stats: dict[str, Any], key: str) -> float | None:
+    """``stats[key]`` (bytes) in MiB, None where absent."""
+    return float(stats[key]) / 2**20 if stats.get(key) is not None else None
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,19 @@ class SelectionCost:
         """Per-sample backward passes (s2l's proxy training, less's warm-up and gradient
         passes; 0 for the other selectors)."""
         return sum(p.backward for p in self.passes)
+
+    @property
+    def peak_rss_mib(self) -> float | None:
+        """The largest peak resident memory of one rank over the passes (MiB; None when no
+        pass recorded one)."""
+        peaks = [p.peak_rss_mib for p in self.passes if p.peak_rss_mib is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def peak_cuda_mib(self) -> float | None:
+        """The same for CUDA memory (MiB)."""
+        peaks = [p.peak_cuda_mib for p in self.passes if p.peak_cuda_mib is not None]
+        return max(peaks) if peaks else None
 
     @property
     def total_seconds(self) -> float:
