@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,6 +49,15 @@ MANIFEST_SCHEMA = {
 }
 
 
+def content_sha256(sample_ids: Sequence[str], weight: float) -> str:
+    r"""A shard's content hash: sha256 over the lines ``"<sample_id>\t<repr(weight)>\n"`` in
+    shard order (docs/design.md, step 4). 64 hex digits."""
+    h = hashlib.sha256()
+    for sid in sample_ids:
+        h.update(f"{sid}\t{weight!r}\n".encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class ShardManifest:
     """The ordered samples that one rank trains on, and the weight of its loss."""
@@ -70,11 +80,8 @@ class ShardManifest:
 
     @property
     def sha256(self) -> str:
-        """Content hash over the ordered (sample_id, weight) pairs."""
-        h = hashlib.sha256()
-        for sid in self.sample_ids:
-            h.update(f"{sid}\t{self.weight!r}\n".encode())
-        return h.hexdigest()
+        """Content hash over the ordered (sample_id, weight) pairs (:func:`content_sha256`)."""
+        return content_sha256(self.sample_ids, self.weight)
 
     def to_dict(self) -> dict:
         """The manifest as JSON-ready fields, with its size and content hash."""
