@@ -72,6 +72,20 @@ def lower_is_better(metric: str) -> bool:
     return metric.endswith(("_loss", "_nll", "_perplexity"))
 
 
+def metric_unit(metric: str) -> str:
+    """The unit of a metric's values, for axis labels: ``nats/token`` for losses and NLLs, the
+    fraction a pass rate or an accuracy counts, ``exp(nats/token)`` for perplexity."""
+    if metric.endswith(("_loss", "_nll")):
+        return "nats/token"
+    if metric.endswith("_pass@1"):
+        return "fraction of problems solved"
+    if metric.endswith("_accuracy"):
+        return "fraction of questions right"
+    if metric.endswith("_perplexity"):
+        return "exp(nats/token)"
+    return ""
+
+
 @dataclass(frozen=True)
 class ItemScores:
     """One metric's per-item scores: ``ids`` (sample ids, task ids, question numbers),

@@ -122,6 +122,7 @@ def eval_report(
     record = _record(report, results, scores, path, str(current.path), heldout_stats)
     return dg.MaterializeResult(
         metadata={
+            **_answer_first(report),
             **record.to_metadata(),
             "report": dg.MetadataValue.md(
                 report.summary
@@ -130,6 +131,18 @@ def eval_report(
             ),
         }
     )
+
+
+def _answer_first(report) -> dict[str, dg.MetadataValue]:
+    """The entries the asset page lists first: ``was_it_worth_it``, the answer in a few lines
+    (short Markdown, which Dagster 1.13 shows inline), and ``decision_plot``, the figure that
+    answers it (a PNG is too long to show inline: Dagster opens it from "[Show Markdown]")."""
+    out: dict[str, dg.MetadataValue] = {"was_it_worth_it": dg.MetadataValue.md(report.answer)}
+    if "decision.png" in report.pngs:
+        out["decision_plot"] = dg.MetadataValue.md(
+            plots.markdown_image(report.pngs["decision.png"], "was the subset worth it?")
+        )
+    return out
 
 
 def _checkpoints(checkpoint_path: str, compare: bool) -> tuple[Checkpoint, list[Checkpoint]]:

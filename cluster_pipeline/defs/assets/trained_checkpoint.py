@@ -200,17 +200,11 @@ def _record(
 def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
     """The asset page's tables and plots: selection against training seconds, the loss per
     rank and the useful-compute fraction over steps."""
-    curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
-    useful = plots.named_curves(
-        {
-            "useful compute fraction": [
-                (h["step"], h["useful_compute_fraction"])
-                for h in history
-                if "useful_compute_fraction" in h
-            ]
-        },
-        "optimizer step",
-        "real tokens / (ranks x busiest rank's tensor tokens)",
+    steps = [h["step"] for h in history]
+    curve = plots.loss_curves_figure(steps, [h["loss_per_rank"] for h in history])
+    measured = [h for h in history if "useful_compute_fraction" in h]
+    useful = plots.useful_compute_figure(
+        [h["step"] for h in measured], [h["useful_compute_fraction"] for h in measured]
     )
     seconds = [
         [
@@ -221,9 +215,9 @@ def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> 
     ]
     return {
         "selection_vs_training": dg.MetadataValue.md(markdown_table(["stage", "seconds"], seconds)),
-        "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+        "loss_curve": dg.MetadataValue.md(plots.markdown_image(plots.png(curve), "loss per rank")),
         "useful_compute": dg.MetadataValue.md(
-            plots.markdown_image(useful, "useful compute fraction per step")
+            plots.markdown_image(plots.png(useful), "useful compute fraction per step")
         ),
     }
 
