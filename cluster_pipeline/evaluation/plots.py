@@ -473,7 +473,7 @@ def decision_figure(
     """
     kinds = list(dict.fromkeys(p.kind for p in points))
     groups = list(dict.fromkeys(p.group for p in points))
-    fig = Figure(figsize=(5.2 * max(1, len(kinds)) + 0.5, 4.6), layout="constrained")
+    fig = Figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6), layout="constrained")
     axes = fig.subplots(1, max(1, len(kinds)), squeeze=False)[0]
     metric = points[0].comparison.metric if points else ""
     lower = points[0].comparison.lower_is_better if points else True
