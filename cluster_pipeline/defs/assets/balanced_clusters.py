@@ -128,7 +128,7 @@ def balanced_clusters(
         check_results=error_checks({"capacity": capacity_check}),
         metadata={
             **record.to_metadata(),
-            **table_display(frame),
+            **table_display(frame, BALANCED_CLUSTERS),
             "cluster_sizes_plot": dg.MetadataValue.md(
                 plots.markdown_image(sizes_png, "cluster sizes")
             ),

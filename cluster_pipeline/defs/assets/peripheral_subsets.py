@@ -247,7 +247,7 @@ def peripheral_subsets(
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
-            **table_display(frame.filter(pl.col("selected"))),
+            **table_display(frame.filter(pl.col("selected")), PERIPHERAL_SUBSETS),
             "dagster/row_count": frame.height,
             "per_cluster_table": dg.MetadataValue.md(markdown_preview(summary, max_rows=64)),
             "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),

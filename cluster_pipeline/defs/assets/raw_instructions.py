@@ -115,6 +115,10 @@ def raw_instructions(
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
-            **table_display(frame, ["sample_id", "split", "prompt", "source_file", "source_line"]),
+            **table_display(
+                frame,
+                RAW_INSTRUCTIONS,
+                ["sample_id", "split", "prompt", "source_file", "source_line"],
+            ),
         }
     )
