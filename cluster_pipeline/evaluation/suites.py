@@ -648,7 +648,7 @@ class EvalSettings(SequenceSettings, PackingSettings):
     benchmarks: list[str] | None = Field(
         default=None,
         description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
-        'None = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
+        'null = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
         "humaneval + mbpp for python_stdlib.",
     )
     humaneval_problems: int = Field(
@@ -673,7 +673,7 @@ class EvalSettings(SequenceSettings, PackingSettings):
     )
     eval_data_dir: str | None = Field(
         default=None,
-        description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
+        description="Folder with mbpp_reworded.json and mmlu.jsonl. null = "
         "data/eval/, else ../shared/datasets/eval/ beside the project.",
     )
 
