@@ -10,13 +10,12 @@ from matplotlib.figure import Figure
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.render import INLINE_MARKDOWN_LIMIT, worth_it_markdown
 from cluster_pipeline.evaluation.report import (
-    ModelResult,
     decision_points,
     render_report,
     report_numbers,
 )
 from cluster_pipeline.evaluation.statistics import Comparison
-from cluster_pipeline.evaluation.suites import ItemScores
+from cluster_pipeline_tests.helpers import evaluation_results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -213,33 +212,8 @@ def test_the_decision_figure_shades_the_quadrants_and_draws_each_group_once_in_t
     assert fig.get_suptitle() == "Was the subset worth it?\nthe answer"
 
 
-def _run(name, group, selector, ratio, losses, train, selection, current=False):
-    ids = [f"s{i}" for i in range(len(losses))]
-    return ModelResult(
-        name,
-        group,
-        "p",
-        {"heldout_loss": float(np.mean(losses))},
-        {"heldout_loss": ItemScores(ids, [10.0] * len(ids), list(losses))},
-        selector,
-        ratio,
-        train,
-        selection,
-        1.0 if selector == "full" else ratio,
-        current=current,
-    )
-
-
 def _runs():
-    rng = np.random.default_rng(3)
-    base = 1.5 + rng.normal(0, 0.2, 60)
-    return [
-        _run("base", "base", None, None, base, None, None),
-        _run("p0", "peripheral r=0.5", "peripheral", 0.5, base - 0.3, 40.0, 10.0, True),
-        _run("p1", "peripheral r=0.5", "peripheral", 0.5, base - 0.31, 44.0, 12.0),
-        _run("g0", "random_global r=0.5", "random_global", 0.5, base - 0.3, 42.0, 1.0),
-        _run("f0", "full r=1.0", "full", 1.0, base - 0.35, 100.0, 0.0),
-    ]
+    return evaluation_results()
 
 
 def test_decision_points_are_net_time_saved_against_the_random_global_and_full_comparisons():

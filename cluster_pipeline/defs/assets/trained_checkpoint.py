@@ -129,7 +129,7 @@ def trained_checkpoint(
             **reported,
             **record.to_metadata(),
             "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
-            **_display(record, history),
+            **training_display(record.selection_seconds, record.train_seconds, history),
         }
     )
 
@@ -197,9 +197,19 @@ def _record(
     )
 
 
-def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+def training_display(
+    selection_seconds: float, train_seconds: float, history: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The asset page's tables and plots: selection against training seconds, the loss per
-    rank and the useful-compute fraction over steps."""
+    rank and the useful-compute fraction over steps.
+
+    Args:
+        selection_seconds: the selection's cost (embedding pass + clustering + subsets +
+            shards), s.
+        train_seconds: training's measured seconds.
+        history: the metrics file's records, one per optimizer step (``step``,
+            ``loss_per_rank``, ``useful_compute_fraction``).
+    """
     steps = [h["step"] for h in history]
     curve = plots.loss_curves_figure(steps, [h["loss_per_rank"] for h in history])
     measured = [h for h in history if "useful_compute_fraction" in h]
@@ -209,9 +219,9 @@ def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> 
     seconds = [
         [
             "selection (embedding pass + clustering + subsets + shards)",
-            f"{record.selection_seconds:.1f}",
+            f"{selection_seconds:.1f}",
         ],
-        ["training", f"{record.train_seconds:.1f}"],
+        ["training", f"{train_seconds:.1f}"],
     ]
     return {
         "selection_vs_training": dg.MetadataValue.md(markdown_table(["stage", "seconds"], seconds)),
