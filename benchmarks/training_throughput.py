@@ -355,6 +355,11 @@ def _core_run(work: Path, dataset: str, mode: str, args, row: int, max_steps: in
     return json.loads(out.read_text())
 
 
+def per_token(run: dict) -> float:
+    """Wall seconds per real token of a run."""
+    return run["wall_seconds"] / run["real_tokens"]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "core":
         p = argparse.ArgumentParser(prog="training_throughput.py core")
@@ -439,7 +444,9 @@ def main() -> None:
         print(
             f"   targets: useful compute of (c) {c['useful_compute_fraction']:.3f} (>= 0.95); "
             f"time (c)/(a) {c['wall_seconds'] / a['wall_seconds']:.3f} (<= {target}); real "
-            f"tokens (c)/(a) {c['real_tokens'] / a['real_tokens']:.3f}"
+            f"tokens (c)/(a) {c['real_tokens'] / a['real_tokens']:.3f}; seconds per real token "
+            f"(c)/(a) {per_token(c) / per_token(a):.3f}, (b)/(a) "
+            f"{per_token(runs['b']) / per_token(a):.3f}"
         )
         if args.sweep:
             sweep = {}

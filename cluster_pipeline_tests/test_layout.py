@@ -22,6 +22,7 @@ LAYERS = {
     "selection": 2,
     "training": 3,
     "evaluation": 3,
+    "integrations": 4,
     "recipes": 5,
     "defs": 6,
     "cli": 7,

@@ -1,8 +1,9 @@
-"""``cluster-pipeline``: register dataset partitions, trace samples, and print run configs (a
-size profile's, a comparison's), from a shell.
+"""``cluster-pipeline``: register dataset partitions, trace samples, export the selection, and
+print run configs (a size profile's, a comparison's), from a shell.
 
     cluster-pipeline datasets [list|sync] [--require NAME]
     cluster-pipeline lineage <dataset> (<sample_id>... | --selected | --diff OLD NEW) [--json]
+    cluster-pipeline export <dataset> [--out DIR] [--overwrite]
     cluster-pipeline run-config [<profile>] [--assets <asset>[,<asset>...]]
     cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
     cluster-pipeline dev -- [dagster dev arguments...]
@@ -11,12 +12,13 @@ size profile's, a comparison's), from a shell.
 import argparse
 import signal
 
-from cluster_pipeline.cli import UserError, compare, dev, register, run_config, trace
+from cluster_pipeline.cli import UserError, compare, dev, export, register, run_config, trace
 from cluster_pipeline.data.formats import DatasetFormatError
 
 COMMANDS = {
     "datasets": register,
     "lineage": trace,
+    "export": export,
     "run-config": run_config,
     "compare-config": compare,
     "dev": dev,

@@ -15,14 +15,13 @@ import argparse
 import os
 import shutil
 import sys
-from pathlib import Path
 
-from cluster_pipeline.cli import UserError
+from cluster_pipeline.cli import UserError, instance_home
 from cluster_pipeline.data.datasets import discover_datasets, refused_datasets
 from cluster_pipeline.data.formats import SUPPORTED_SUFFIXES
 from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
 from cluster_pipeline.defs.partitions import DATASETS
-from cluster_pipeline.storage.layout import PROJECT_ROOT, DataLayout, default_data_dir
+from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         )
     # The instance folder, as `make` prepares it: $DAGSTER_HOME (created if missing, which
     # Dagster refuses), else <project>/.dagster_home.
-    home = Path(os.environ.get("DAGSTER_HOME") or PROJECT_ROOT / ".dagster_home").absolute()
+    home = instance_home()
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
     if not settings.exists() or settings.stat().st_size == 0:

@@ -2,13 +2,14 @@
 
 A dataset partition is either the built-in ``python_stdlib`` or a folder ``data/raw/<name>/``
 holding ``.json``, ``.jsonl`` or ``.parquet`` files in one of the forms of
-:mod:`cluster_pipeline.data.formats`.
+:mod:`cluster_pipeline.data.formats`. The license its source declares: :func:`source_license`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from pathlib import Path
 import polars as pl
 
 from cluster_pipeline.data.formats import (
+    CARD_NAME,
     FIELDS_CONFIG_NAME,
+    LICENSE_NAMES,
     SUPPORTED_SUFFIXES,
     Sample,
     data_files,
@@ -26,6 +29,7 @@ from cluster_pipeline.data.formats import (
 )
 from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
+from cluster_pipeline.storage.layout import storage_name
 
 INSTRUCTION_SCHEMA = {
     "sample_id": pl.String,
@@ -294,3 +298,128 @@ def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
     )
     # A sample without tools hashes as it did before the tools column existed.
     return stable_hash([row[:-1] if row[-1] is None else row for row in rows.rows()])
+
+
+@dataclass(frozen=True)
+class SourceLicense:
+    """The license a dataset's source declares, in the terms of a Hugging Face dataset card's
+    YAML header: ``license`` (a Hub license id, ``other``, or a list), and for ``other`` the
+    ``license_name`` (an id) and ``license_link`` (a URL, or the name of a file shipped with the
+    data). ``file``: a file of the dataset folder to ship beside the data (None: nothing to
+    ship); ``declared_by``: where the declaration was found, for the card's text."""
+
+    license: str | list[str]
+    license_name: str | None
+    license_link: str | None
+    file: Path | None
+    declared_by: str
+
+
+# CPython's standard library is under the PSF License Agreement, which is not among the Hub's
+# license ids.
+STDLIB_LICENSE = SourceLicense(
+    license="other",
+    license_name="psf-2.0",
+    license_link="https://docs.python.org/3/license.html",
+    file=None,
+    declared_by="the built-in dataset: functions of CPython's standard library",
+)
+
+
+def _front_matter(card: Path) -> dict:
+    """The YAML front matter of a Markdown file (between a first line ``---`` and the next line
+    ``---``), or ``{}`` when it has none.
+
+    Raises:
+        ValueError: the front matter is never closed, is not YAML, or is not a mapping (names
+            the file).
+    """
+    lines = card.read_text(encoding="utf-8-sig").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return {}
+    end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), None)
+    if end is None:
+        raise ValueError(
+            f"{card}: the YAML front matter opened by '---' on line 1 is never closed; end it "
+            "with a line '---'"
+        )
+    import yaml
+
+    try:
+        meta = yaml.safe_load("\n".join(lines[1:end]))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{card}: the YAML front matter is not valid YAML: {e}") from None
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{card}: the YAML front matter must be a mapping (key: value lines), got a "
+            f"{type(meta).__name__}"
+        )
+    return meta
+
+
+def source_license(dataset: str, raw_dir: Path) -> SourceLicense | None:
+    """The license the dataset's source declares, or None where it declares none.
+
+    The rule (docs/design.md, "Reading datasets"), first match wins:
+
+    1. ``raw_dir/<dataset>/README.md`` whose YAML front matter has ``license:``, a Hub license
+       id (``mit``, ``cc-by-4.0``, ``other``) or a list of them: that value, with the front
+       matter's ``license_name`` and ``license_link``.
+    2. A license file ``LICENSE``, ``LICENSE.md`` or ``LICENSE.txt`` in the folder: ``license:
+       other``, ``license_name: <dataset>-license`` (lower case, ASCII), ``license_link`` the
+       file.
+    3. The built-in ``python_stdlib``: :data:`STDLIB_LICENSE`.
+
+    The file to ship beside the data (many licenses ask that their text travel with the data):
+    the file of the folder that ``license_link`` names, else the folder's license file, if any.
+
+    Neither file is ever read as samples or counted as a file not read
+    (:func:`~cluster_pipeline.data.formats.ignored_files`).
+
+    Raises:
+        ValueError: the card's front matter is malformed, or its ``license`` is not a string or
+            a list of strings (names the file).
+    """
+    if dataset == STDLIB_DATASET:
+        return STDLIB_LICENSE
+    folder = raw_dir / dataset
+    card = folder / CARD_NAME
+    meta = _front_matter(card) if card.is_file() else {}
+    license_file = next((folder / n for n in LICENSE_NAMES if (folder / n).is_file()), None)
+    if meta.get("license") is not None:
+        value = meta["license"]
+        ok = isinstance(value, str) or (
+            isinstance(value, list) and value and all(isinstance(v, str) for v in value)
+        )
+        if not ok:
+            raise ValueError(
+                f"{card}: 'license' must be a Hub license id (e.g. mit, cc-by-4.0, other) or a "
+                f"list of them, got {value!r}"
+            )
+        name, link = meta.get("license_name"), meta.get("license_link")
+        linked = folder / str(link) if link else None
+        if (
+            linked is not None
+            and linked.is_file()
+            and linked.resolve().is_relative_to(folder.resolve())
+        ):
+            license_file = linked
+        return SourceLicense(
+            license=value,
+            license_name=None if name is None else str(name),
+            license_link=None if link is None else str(link),
+            file=license_file,
+            declared_by=f"the front matter of {card}",
+        )
+    if license_file is not None:
+        slug = re.sub(r"[^a-z0-9]+", "-", storage_name(dataset).lower()).strip("-")
+        return SourceLicense(
+            license="other",
+            license_name=f"{slug or 'dataset'}-license",
+            license_link=license_file.name,
+            file=license_file,
+            declared_by=f"the license file {license_file}",
+        )
+    return None

@@ -70,6 +70,11 @@ SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
 EVAL_CONFIG_NAME = "eval.json"
 # A dataset folder's field renaming ({source field: accepted field}), never read as samples.
 FIELDS_CONFIG_NAME = "fields.json"
+# A dataset folder's documentation, never read as samples nor counted as files not read: its
+# card, whose YAML front matter may declare the license, and its license file
+# (data/datasets.source_license).
+CARD_NAME = "README.md"
+LICENSE_NAMES = ("LICENSE", "LICENSE.md", "LICENSE.txt")
 # What `datasets.Dataset.save_to_disk` writes beside its Arrow files.
 HF_METADATA_NAMES = ("dataset_info.json", "state.json", "dataset_dict.json")
 FORMS = (
@@ -697,15 +702,18 @@ def data_files(folder: Path) -> list[Path]:
 
 def ignored_files(folder: Path) -> list[Path]:
     """The files under ``folder`` the reader does not read, sorted: everything but
-    :func:`data_files`, the folder's settings and a ``datasets.save_to_disk`` folder's metadata
-    (hidden files and folders are skipped). ``raw_instructions`` counts them, so a CSV or text
-    file beside the data is never silently passed over."""
+    :func:`data_files`, the folder's settings, its card and license file (:data:`CARD_NAME`,
+    :data:`LICENSE_NAMES`) and a ``datasets.save_to_disk`` folder's metadata (hidden files and
+    folders are skipped). ``raw_instructions`` counts them, so a CSV or text file beside the
+    data is never silently passed over."""
     read = set(data_files(folder))
+    documentation = {folder / name for name in (CARD_NAME, *LICENSE_NAMES)}
     return sorted(
         p
         for p in folder.rglob("*")
         if p.is_file()
         and p not in read
+        and p not in documentation
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
         and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))

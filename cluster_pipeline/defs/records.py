@@ -417,14 +417,26 @@ def pinned_record(
     Raises:
         UpstreamNotMaterialized: no materialization among the latest ``search`` wrote it.
     """
-    for m in _materializations(context.instance, cls.ASSET, context.partition_key, search):
+    return record_that_wrote(context.instance, cls, context.partition_key, table, search)
+
+
+def record_that_wrote(
+    instance: dg.DagsterInstance, cls: type[C], partition: str, table: TableRef, search: int = 1000
+) -> C:
+    """:func:`pinned_record` outside a run (the CLI): the record of the ``cls.ASSET``
+    materialization of ``partition`` that wrote ``table``.
+
+    Raises:
+        UpstreamNotMaterialized: no materialization among the latest ``search`` wrote it.
+    """
+    for m in _materializations(instance, cls.ASSET, partition, search):
         values = _values(m)
         if (
             str(values.get("table_uri")) == table.uri
             and values.get("table_version") == table.version
         ):
-            return _parse(cls, m, context.partition_key)
+            return _parse(cls, m, partition)
     raise UpstreamNotMaterialized(
-        description=f"no {cls.ASSET} materialization of partition {context.partition_key!r} "
+        description=f"no {cls.ASSET} materialization of partition {partition!r} "
         f"wrote {table.uri}@v{table.version}; materialize the chain from {cls.ASSET} again."
     )

@@ -11,7 +11,7 @@ from cluster_pipeline.storage.tables import markdown_table
 
 if TYPE_CHECKING:
     from cluster_pipeline.evaluation.plots import DecisionPoint
-    from cluster_pipeline.evaluation.report import ReportNumbers
+    from cluster_pipeline.evaluation.report import ModelResult, ReportNumbers
     from cluster_pipeline.evaluation.statistics import Comparison
 
 # The Dagster UI (1.13) renders a Markdown metadata value inline below this many characters
@@ -202,6 +202,36 @@ def sequence_note(sequences: dict[str, dict[str, int]]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def selection_pass_rows(result: ModelResult) -> list[list[str]]:
+    """The selection's model passes as cost-table rows: each pass's seconds and samples, the
+    forward/backward passes and the largest rank's peak memory (none for a checkpoint trained
+    before they were recorded)."""
+    rows = [
+        [
+            f"  pass `{p['name']}` ({'cached, ' if not p.get('run_now') else ''}at its measured "
+            "rate)",
+            f"{p['seconds']:.1f} s, {p['samples']} samples"
+            + (f", {p['backward']} backward" if p.get("backward") else ""),
+        ]
+        for p in result.selection_passes
+    ]
+    if result.selection_forward_passes is not None:
+        rows.append(
+            [
+                "  per-sample forward / backward passes of the selection",
+                f"{result.selection_forward_passes} / {result.selection_backward_passes}",
+            ]
+        )
+    if result.selection_peak_rss_mib is not None:
+        rows.append(
+            [
+                "  peak resident memory of the selection's largest rank",
+                f"{result.selection_peak_rss_mib:.0f} MiB",
+            ]
+        )
+    return rows
+
+
 def run_cost_table(numbers: ReportNumbers, selection_seconds: float) -> str:
     """The bold run's own costs: selection, training, useful compute, weights, full-data time
     and the net saving."""
@@ -213,9 +243,10 @@ def run_cost_table(numbers: ReportNumbers, selection_seconds: float) -> str:
     )
     rows = [
         [
-            "selection: embedding pass + clustering + subsets + shards (model load excluded)",
+            "selection: its model passes + clustering + subsets + shards (model load excluded)",
             f"{selection_seconds:.1f} s",
         ],
+        *selection_pass_rows(current),
         [
             "training (measured)",
             f"{numbers.train_seconds:.1f} s at data fraction {numbers.data_fraction:.3f}",

@@ -146,6 +146,12 @@ class ModelResult:
     rank_weights: list[float] | None = None
     # Real tokens / (ranks x the busiest rank's tensor tokens) over the run (training/plan.py).
     useful_compute_fraction: float | None = None
+    # The selection's model passes (name, samples, seconds, backward, peaks: the
+    # peripheral_subsets cost record), forward and backward passes and peak memory (MiB).
+    selection_passes: list[dict[str, Any]] = field(default_factory=list)
+    selection_forward_passes: int | None = None
+    selection_backward_passes: int | None = None
+    selection_peak_rss_mib: float | None = None
 
 
 def evaluate_entries(
@@ -194,6 +200,10 @@ def evaluate_entries(
                 gradient_diversity=prov.get("gradient_diversity"),
                 grad_cosine=ckpt.mean_grad_cosine() if ckpt else None,
                 useful_compute_fraction=ckpt.info.get("useful_compute_fraction") if ckpt else None,
+                selection_passes=list(prov.get("selection_passes") or []),
+                selection_forward_passes=prov.get("selection_forward_passes"),
+                selection_backward_passes=prov.get("selection_backward_passes"),
+                selection_peak_rss_mib=prov.get("selection_peak_rss_mib"),
                 current=Path(entry.path) == Path(current),
                 loss_curve=ckpt.loss_curve() if ckpt else [],
                 setup=entry.setup,

@@ -22,6 +22,7 @@ the report then states in its first lines).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import selectors
 import shutil
@@ -225,6 +226,30 @@ def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
     return bytes(tail), timed_out
 
 
+def _wait_for_namespace_end(info_fd: int, limit_s: float = 5.0) -> None:
+    """Return once every process of a finished sandbox has exited: the kernel kills a PID
+    namespace's processes when its init dies, and that init exits only after all of them have
+    (``zap_pid_ns_processes``), so this waits for the init, whose host PID bwrap wrote to
+    ``info_fd`` (``--info-fd``), to be a zombie or gone. Without it a ``setsid``-ed child could
+    still be listed for a few milliseconds after :func:`run_python` returned. Closes
+    ``info_fd``; gives up after ``limit_s`` seconds (bwrap wrote nothing: it failed to start)."""
+    with os.fdopen(info_fd, "rb") as f:
+        raw = f.read()
+    try:
+        pid = int(json.loads(raw)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.002)
+
+
 def run_python(
     program: str,
     timeout_s: float = 5.0,
@@ -256,8 +281,11 @@ def run_python(
         os.chmod(path, 0o644)
         limits = [str(memory_mb * 2**20), str(int(timeout_s) + 1), str(max_processes)]
         isolated = sandbox_problem() is None
+        # bwrap writes the sandbox's host PID (its PID namespace's init) to this pipe.
+        info_read, info_write = os.pipe() if isolated else (-1, -1)
         if isolated:
-            cmd = [*_bwrap_command(python, path), "-I", "-c", _BOOT, *limits]
+            bwrap = _bwrap_command(python, path)
+            cmd = [bwrap[0], "--info-fd", str(info_write), *bwrap[1:], "-I", "-c", _BOOT, *limits]
             cwd, env = None, {"PATH": "/usr/bin:/bin"}
         else:  # unsafe: the same limits, in a plain subprocess
             cmd = [str(python), "-I", "-c", _BOOT, *limits]
@@ -274,7 +302,10 @@ def run_python(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            pass_fds=(info_write,) if isolated else (),
         )
+        if isolated:
+            os.close(info_write)
         try:
             err, timed_out = _collect(proc, start + timeout_s)
         finally:
@@ -286,6 +317,8 @@ def run_python(
             proc.wait()
             if proc.stderr is not None:
                 proc.stderr.close()
+            if isolated:
+                _wait_for_namespace_end(info_read)
         seconds = time.perf_counter() - start
         text = err.decode(errors="replace")[-2000:]
         if timed_out or proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):

@@ -11,6 +11,7 @@
     <data>/checkpoints/<dataset>/<name>/      fine-tuned checkpoints (see training/checkpointing.py)
     <data>/proxies/<dataset>/                 s2l's proxy runs, manifests and checkpoints
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
+    <data>/exports/<dataset>/                 the selection as a `datasets` dataset (cli export)
     <data>/locks/<dataset>.lock, .json        the partition's run lock and its holder
 
 The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
@@ -107,6 +108,11 @@ class DataLayout:
     def reports_dir(self, dataset: str) -> Path:
         """``eval_report``'s Markdown, JSON and plots for ``dataset``."""
         return self.root / "reports" / storage_name(dataset)
+
+    def exports_dir(self, dataset: str) -> Path:
+        """The default folder of ``cluster-pipeline export <dataset>``: the selected subset as a
+        ``datasets`` dataset (``integrations/hf_datasets.py``)."""
+        return self.root / "exports" / storage_name(dataset)
 
     def partition_lock(self, dataset: str) -> Path:
         """The lock file a run of ``dataset`` holds while it runs (storage/run_lock.py)."""

@@ -12,6 +12,7 @@ import pytest
 from cluster_pipeline.data.datasets import (
     build_instruction_table,
     discover_datasets,
+    load_samples,
     refused_datasets,
 )
 from cluster_pipeline.data.formats import Sample
@@ -297,3 +298,102 @@ def test_a_pool_too_small_for_its_held_out_split_says_what_to_do(n, fraction, he
         f"(heldout_fraction {fraction} of {n}, rounded up); add samples, or set "
         "raw_instructions.heldout_fraction: 0 (or a smaller max_heldout)"
     )
+
+
+# --- The license a source declares (source_license) ----------------------------------------
+
+
+def _folder(tmp_path: Path, files: dict[str, str]) -> Path:
+    folder = tmp_path / "raw" / "my set"
+    folder.mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"instruction": "q", "output": "a"}\n')
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return tmp_path / "raw"
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        # The card's front matter: its license as written, nothing to ship.
+        (
+            {"README.md": "---\nlicense: cc-by-4.0\n---\n# My set\n"},
+            ("cc-by-4.0", None, None, None),
+        ),
+        # A list of ids, and a custom license whose link names a file of the folder: shipped.
+        (
+            {
+                "README.md": "---\nlicense: other\nlicense_name: acme-1.0\nlicense_link: "
+                "TERMS.md\npretty_name: x\n---\n",
+                "TERMS.md": "terms",
+            },
+            ("other", "acme-1.0", "TERMS.md", "TERMS.md"),
+        ),
+        (
+            {"README.md": "---\nlicense: [mit, apache-2.0]\n---\n"},
+            (["mit", "apache-2.0"], None, None, None),
+        ),
+        # The front matter wins; the license file still travels with the data.
+        (
+            {"README.md": "---\nlicense: mit\n---\n", "LICENSE": "MIT License\n"},
+            ("mit", None, None, "LICENSE"),
+        ),
+        # A license file alone: `other`, named after the dataset, linked and shipped.
+        (
+            {"LICENSE.txt": "Terms"},
+            ("other", "my-set-35db3f19-license", "LICENSE.txt", "LICENSE.txt"),
+        ),
+        # A card without front matter or without a license key declares nothing.
+        ({"README.md": "# My set\nlicense: mit\n"}, None),
+        ({"README.md": "---\npretty_name: x\n---\n"}, None),
+        ({}, None),
+    ],
+)
+def test_source_license_follows_the_documented_rule(tmp_path, files, expected):
+    from cluster_pipeline.data.datasets import source_license
+
+    raw = _folder(tmp_path, files)
+    found = source_license("my set", raw)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    shipped = found.file.relative_to(raw / "my set").as_posix() if found.file else None
+    assert (found.license, found.license_name, found.license_link, shipped) == expected
+    assert str(raw / "my set") in found.declared_by
+
+
+def test_the_builtin_dataset_is_under_the_psf_license(tmp_path):
+    from cluster_pipeline.data.datasets import source_license
+
+    found = source_license("python_stdlib", tmp_path)
+    assert found is not None
+    assert (found.license, found.license_name) == ("other", "psf-2.0")
+
+
+@pytest.mark.parametrize(
+    "card, message",
+    [
+        ("---\nlicense: mit\n# never closed\n", "is never closed; end it with a line '---'"),
+        ("---\n- mit\n---\n", "must be a mapping (key: value lines), got a list"),
+        ("---\nlicense: [mit\n---\n", "is not valid YAML"),
+        ("---\nlicense: 3\n---\n", "'license' must be a Hub license id"),
+    ],
+)
+def test_a_malformed_card_is_refused_naming_it(tmp_path, card, message):
+    from cluster_pipeline.data.datasets import source_license
+
+    raw = _folder(tmp_path, {"README.md": card})
+    with pytest.raises(ValueError) as e:
+        source_license("my set", raw)
+    assert str(e.value).startswith(f"{raw / 'my set' / 'README.md'}: ")
+    assert message in str(e.value)
+
+
+def test_card_and_license_file_are_not_samples(tmp_path):
+    from cluster_pipeline.data.formats import ignored_files
+
+    raw = _folder(tmp_path, {"README.md": "---\nlicense: mit\n---\n", "LICENSE": "MIT"})
+    samples = list(load_samples("my set", raw))
+    assert [(Path(s.source_file).name, s.response) for s in samples] == [("a.jsonl", "a")]
+    assert ignored_files(raw / "my set") == []

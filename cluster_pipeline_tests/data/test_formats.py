@@ -840,7 +840,13 @@ def test_files_the_reader_does_not_read_are_listed(tmp_path):
     (tmp_path / "eval.json").write_text('{"benchmarks": []}')
     (tmp_path / "fields.json").write_text("{}")
     (tmp_path / ".hidden").write_text("x")
+    # The folder's card and license file document it (data/datasets.source_license); a card
+    # deeper down is a file like any other.
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n")
+    (tmp_path / "LICENSE").write_text("MIT License")
+    (tmp_path / "sub" / "README.md").write_text("notes")
     assert [p.relative_to(tmp_path).as_posix() for p in ignored_files(tmp_path)] == [
         "notes.txt",
+        "sub/README.md",
         "sub/extra.csv",
     ]

@@ -157,6 +157,12 @@ def _provenance(
         "pool_size": subsets.pool_size,
         "gradient_diversity": subsets.gradient_diversity,
         "selection_seconds": shards.selection_seconds,
+        # What the selection cost in model passes (the report's cost table names them).
+        "selection_passes": subsets.selection_passes,
+        "selection_forward_passes": subsets.forward_passes,
+        "selection_backward_passes": subsets.backward_passes,
+        "selection_peak_rss_mib": subsets.selection_peak_rss_mib,
+        "selection_peak_cuda_mib": subsets.selection_peak_cuda_mib,
         # A targeted selector's target set (rds), which the report names in the group.
         **({"selection_target": subsets.selection_target} if subsets.selection_target else {}),
         "training_seed": settings.seed,

@@ -1,0 +1,155 @@
+"""Export the selected subset as a Hugging Face ``datasets`` dataset, with a dataset card.
+
+    cluster-pipeline export <dataset>                 # to data/exports/<dataset>/
+    cluster-pipeline export <dataset> --out DIR       # elsewhere
+    cluster-pipeline export <dataset> --overwrite     # replace an export of other manifests
+
+Exports the dataset's latest shard manifests as the Dagster instance recorded them ($DAGSTER_HOME,
+else <project>/.dagster_home, as `make` uses): split `train` (every shard entry) and one split per
+rank (`rank_0`, ...), as a `save_to_disk` folder (`<out>/dataset_dict`, for
+`datasets.load_from_disk`), Parquet files in the Hub's layout (`<out>/data/`) and a dataset card
+(`<out>/README.md`) naming the selector, ratio, K, weights, base model, table versions and
+manifest hashes. Every table is read at the version the manifests were built from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cluster_pipeline.cli import UserError, instance_home
+from cluster_pipeline.integrations.hf_datasets import ExportError, ExportSource, export_selection
+from cluster_pipeline.storage.layout import DataLayout, default_data_dir
+from cluster_pipeline.storage.lineage import LINEAGE_STAGES
+from cluster_pipeline.storage.names import (
+    BALANCED_CLUSTERS,
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    SHARD_MANIFESTS,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``export`` arguments: the dataset, ``--out``, ``--overwrite``, ``--data-dir``."""
+    parser.add_argument("dataset")
+    parser.add_argument(
+        "--out", type=Path, help="the export folder (default: <data-dir>/exports/<dataset>)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an export of other manifests there (never a folder that is not an export)",
+    )
+    parser.add_argument("--data-dir", type=Path, default=Path(default_data_dir()))
+
+
+def _materialize_first(dataset: str, why: str) -> UserError:
+    return UserError(
+        f"dataset {dataset!r} has no shard manifests to export: {why}. Materialize selection_job "
+        f"(raw_instructions -> shard_manifests) for partition {dataset!r} first: web UI Jobs -> "
+        f"selection_job, or `make run DATASET={dataset}` (main_job runs it too)"
+    )
+
+
+def export_source(instance, dataset: str, layout: DataLayout) -> ExportSource:
+    """The latest shard manifests of ``dataset`` and the records of the selection that made
+    them (each the materialization that wrote the pinned table version), as an
+    :class:`~cluster_pipeline.integrations.hf_datasets.ExportSource`.
+
+    Args:
+        instance: the Dagster instance that holds the records (``dg.DagsterInstance``).
+        dataset: the dataset partition.
+        layout: the data folder, to tell "never materialized" from "another instance".
+
+    Raises:
+        UserError: no shard manifests recorded, or a record of the chain is missing or older
+            than the pipeline.
+    """
+    from cluster_pipeline.defs.records import (
+        BalancedClustersRecord,
+        PeripheralSubsetsRecord,
+        ProxyEmbeddingsRecord,
+        SampleLineageRecord,
+        ShardManifestsRecord,
+        UpstreamNotMaterialized,
+        latest_record,
+        record_that_wrote,
+    )
+
+    try:
+        shards = latest_record(instance, ShardManifestsRecord, dataset)
+        if shards is None:
+            table = Path(layout.table_uri(SHARD_MANIFESTS, dataset))
+            raise _materialize_first(
+                dataset,
+                f"the Dagster instance at {instance.root_directory} has no record of them, "
+                f"though the table {table} exists (set DAGSTER_HOME to the instance that made "
+                "it, or rematerialize)"
+                if table.is_dir()
+                else f"the Dagster instance at {instance.root_directory} has no record of them",
+            )
+        subsets = record_that_wrote(
+            instance, PeripheralSubsetsRecord, dataset, shards.inputs[PERIPHERAL_SUBSETS]
+        )
+        clusters = record_that_wrote(
+            instance, BalancedClustersRecord, dataset, subsets.inputs[BALANCED_CLUSTERS]
+        )
+        embeddings = record_that_wrote(
+            instance, ProxyEmbeddingsRecord, dataset, clusters.inputs[PROXY_EMBEDDINGS]
+        )
+        lineage = latest_record(instance, SampleLineageRecord, dataset)
+    except UpstreamNotMaterialized as e:
+        raise UserError(e.description or str(e)) from None
+    versions = shards.lineage()
+    built_from_these = (
+        lineage is not None and lineage.inputs.get(SHARD_MANIFESTS) == versions[SHARD_MANIFESTS]
+    )
+    return ExportSource(
+        dataset=dataset,
+        selector=subsets.selector,
+        ratio=subsets.ratio,
+        selection_seed=subsets.seed,
+        num_clusters=clusters.num_clusters,
+        alpha=clusters.alpha,
+        cluster_weights=list(subsets.cluster_weights),
+        balance=subsets.balance,
+        token_budget=subsets.token_budget,
+        pool_size=subsets.pool_size,
+        selected_samples=subsets.selected_samples,
+        base_model=embeddings.base_model,
+        manifest_paths=list(shards.manifest_paths),
+        manifest_sha256=list(shards.manifest_sha256),
+        manifest_set_sha256=shards.manifest_set_sha256,
+        dropped_for_equal_shards=shards.dropped_for_equal_shards,
+        tables={stage: versions[stage] for stage in LINEAGE_STAGES if stage in versions},
+        lineage_table=lineage.table if lineage is not None and built_from_these else None,
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Export the dataset's latest shard manifests (module docstring) and print what was
+    written."""
+    import dagster as dg
+
+    layout = DataLayout.at(args.data_dir)
+    home = instance_home()
+    if not home.is_dir():
+        raise _materialize_first(args.dataset, f"there is no Dagster instance at {home}")
+    out = args.out if args.out is not None else layout.exports_dir(args.dataset)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        source = export_source(instance, args.dataset, layout)
+    try:
+        summary = export_selection(source, out, layout.raw_dir, overwrite=args.overwrite)
+    except ExportError as e:
+        raise UserError(str(e)) from None
+    rows = ", ".join(f"{name} {n}" for name, n in summary.rows.items())
+    license = summary.license.license if summary.license is not None else "none declared"
+    print(
+        f"{'replaced the export in' if summary.replaced else 'exported to'} {summary.out}: "
+        f"{rows} rows; manifest set {source.manifest_set_sha256[:12]}; license: {license}"
+    )
+    if source.lineage_table is None:
+        print(
+            "note: sample_lineage was not built from these manifests; materialize it to trace "
+            "each row (the card says so)"
+        )

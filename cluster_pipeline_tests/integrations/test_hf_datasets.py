@@ -1,0 +1,395 @@
+"""``cluster-pipeline export``: the selection as a ``datasets`` folder, Parquet files and a dataset
+card, read back with ``datasets`` equal to the shard manifests it came from.
+
+The fast tests export hand-made manifests over real tables; the slow ones materialize the cheap
+chain ``raw_instructions -> shard_manifests`` (and ``sample_lineage``) once for the module, on
+the tiny dataset and model, and export through the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+import yaml
+
+from cluster_pipeline.data.datasets import build_instruction_table, load_samples
+from cluster_pipeline.integrations import hf_datasets
+from cluster_pipeline.integrations.hf_datasets import ExportError, ExportSource, export_selection
+from cluster_pipeline.selection.sharding import ShardManifest, manifests_frame
+from cluster_pipeline.storage.tables import write_table
+from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
+
+datasets = pytest.importorskip("datasets")
+
+
+def _card(out: Path) -> tuple[dict, str]:
+    text = (out / "README.md").read_text()
+    assert text.startswith("---\n")
+    header, body = text[4:].split("\n---\n", 1)
+    return yaml.safe_load(header), body
+
+
+def _parquet(out: Path, split: str, cache: Path):
+    files = sorted(str(p) for p in (out / "data").glob(f"{split}-*.parquet"))
+    return datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(cache))
+
+
+def _source_line(row: dict) -> dict:
+    """The record at the row's source file and line, read from the file itself."""
+    line = Path(row["source_file"]).read_text().splitlines()[row["source_line"] - 1]
+    return json.loads(line)
+
+
+def _assert_reads_back(out: Path, manifests: list[ShardManifest], cache: Path) -> dict:
+    """Every reader gives each rank's manifest, in order, with its weight; ``train`` is the
+    ranks one after the other; the card's header counts the rows. Returns the card's header."""
+    on_disk = datasets.load_from_disk(str(out / "dataset_dict"))
+    assert list(on_disk) == ["train", *(f"rank_{m.rank}" for m in manifests)]
+    by_card = datasets.load_dataset(str(out), cache_dir=str(cache))
+    header, _ = _card(out)
+    counts = {s["name"]: s["num_examples"] for s in header["dataset_info"]["splits"]}
+    for m in manifests:
+        split = f"rank_{m.rank}"
+        for ds in (on_disk[split], _parquet(out, split, cache), by_card[split]):
+            assert ds["sample_id"] == list(m.sample_ids)
+            assert ds["position"] == list(range(m.n_samples))
+            assert set(ds["rank"]) == {m.rank} and set(ds["weight"]) == {m.weight}
+            assert set(ds["manifest_sha256"]) == {m.sha256}
+        assert counts[split] == m.n_samples
+    whole = [sid for m in manifests for sid in m.sample_ids]
+    for ds in (on_disk["train"], _parquet(out, "train", cache), by_card["train"]):
+        assert ds["sample_id"] == whole
+    assert counts["train"] == len(whole)
+    assert on_disk["train"].to_list() == _parquet(out, "train", cache).to_list()
+    # Every split the configs name has its files, and nothing else is in data/.
+    named = {f["split"]: f["path"] for f in header["configs"][0]["data_files"]}
+    assert list(named) == list(counts)
+    assert sorted(p for s in named.values() for p in out.glob(s)) == sorted(
+        (out / "data").iterdir()
+    )
+    return header
+
+
+# --- Hand-made manifests over real tables -----------------------------------------------------
+
+
+def _hand_made(tmp_path: Path, order: int = 1) -> tuple[ExportSource, list[ShardManifest]]:
+    """A 12-sample dataset read from its source file, clusters 0/1 alternating, and two shards:
+    each cluster's samples in ``order`` (1 or -1), rank 0's first sample twice (a copy, as
+    ``uniform`` makes)."""
+    raw_dir = tmp_path / "data" / "raw"
+    write_jsonl(raw_dir / "hand" / "samples.jsonl", tiny_records(12))
+    frame, _ = build_instruction_table(load_samples("hand", raw_dir), 0.0, None, None, seed=0)
+    tables = tmp_path / "data" / "tables"
+    raw = write_table(frame, tables / "raw_instructions")
+    ids = frame["sample_id"].to_list()
+    labels = [i % 2 for i in range(len(ids))]
+    clusters = write_table(
+        pl.DataFrame({"sample_id": ids, "cluster": labels}), tables / "balanced_clusters"
+    )
+    shards = []
+    for c, weight in ((0, 1.25), (1, 0.75)):
+        members = [s for s, label in zip(ids, labels, strict=True) if label == c][::order]
+        if c == 0:
+            members = [members[0], *members]
+        shards.append(ShardManifest("hand", c, 2, "uniform", weight, 3, tuple(members), 10 * c))
+    folder = tmp_path / "data" / "shards" / f"set{order}"
+    paths = [str(m.write(folder)) for m in shards]
+    shard_table = write_table(manifests_frame(shards), tables / "shard_manifests")
+    source = ExportSource(
+        dataset="hand",
+        selector="uniform",
+        ratio=1.0,
+        selection_seed=0,
+        num_clusters=2,
+        alpha=1.5,
+        cluster_weights=[1.25, 0.75],
+        balance="samples",
+        token_budget=None,
+        pool_size=12,
+        selected_samples=12,
+        base_model="/models/tiny",
+        manifest_paths=paths,
+        manifest_sha256=[m.sha256 for m in shards],
+        manifest_set_sha256=f"{order:+d}" * 32,
+        dropped_for_equal_shards=0,
+        tables={
+            "raw_instructions": raw,
+            "balanced_clusters": clusters,
+            "shard_manifests": shard_table,
+        },
+    )
+    return source, shards
+
+
+def test_hand_made_manifests_read_back_equal_with_source_lines_and_clusters(tmp_path):
+    source, manifests = _hand_made(tmp_path)
+    out = tmp_path / "export"
+    summary = export_selection(source, out, tmp_path / "data" / "raw")
+    assert summary.rows == {"train": 13, "rank_0": 7, "rank_1": 6}
+    assert not summary.replaced and summary.license is None
+    header = _assert_reads_back(out, manifests, tmp_path / "cache")
+    assert "license" not in header
+    train = datasets.load_from_disk(str(out / "dataset_dict"))["train"]
+    for row in train:
+        record = _source_line(row)
+        assert row["response"] == record["output"] and record["instruction"] in row["prompt"]
+        assert row["cluster"] == row["rank"]  # clusters alternate, rank c holds cluster c
+    _, body = _card(out)
+    assert "The source declares no license" in body
+    assert "| rank_0 | 7 | 0 | 1.2500 |" in body and "| rank_1 | 6 | 10 | 0.7500 |" in body
+    identity = json.loads((out / "export.json").read_text())
+    assert identity["splits"] == {"train": 13, "rank_0": 7, "rank_1": 6}
+
+
+def test_an_existing_export_is_replaced_only_when_it_is_the_same_or_overwrite_is_given(tmp_path):
+    a, _ = _hand_made(tmp_path / "a", order=1)
+    b, manifests_b = _hand_made(tmp_path / "b", order=-1)
+    raw_a = tmp_path / "a" / "data" / "raw"
+    out = tmp_path / "export"
+    export_selection(a, out, raw_a)
+    assert export_selection(a, out, raw_a).replaced  # the same manifests: written again
+    with pytest.raises(ExportError) as e:
+        export_selection(b, out, raw_a)
+    assert str(e.value) == (
+        f"{out} holds another export (dataset 'hand', manifest set {'+1' * 6}), not dataset "
+        f"'hand' manifest set {'-1' * 6}; pass --overwrite to replace it, or --out another folder"
+    )
+    assert json.loads((out / "export.json").read_text())["manifest_set_sha256"] == "+1" * 32
+    assert export_selection(b, out, raw_a, overwrite=True).replaced
+    _assert_reads_back(out, manifests_b, tmp_path / "cache")
+    assert not list(tmp_path.glob(".export.*"))
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(ExportError, match="holds no export.json, so it is not an export"):
+        export_selection(a, other, raw_a, overwrite=True)
+    assert [p.name for p in other.iterdir()] == ["todo.txt"]
+    with pytest.raises(ExportError, match="is a file; choose a folder with --out"):
+        export_selection(a, other / "todo.txt", raw_a)
+
+
+def test_a_failed_export_leaves_the_earlier_one_intact(tmp_path, monkeypatch):
+    a, manifests_a = _hand_made(tmp_path / "a", order=1)
+    b, _ = _hand_made(tmp_path / "b", order=-1)
+    out = tmp_path / "export"
+    export_selection(a, out, tmp_path / "a" / "data" / "raw")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    # The card is written after the splits: the failure strikes a half-written export.
+    monkeypatch.setattr(hf_datasets, "card_body", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_selection(b, out, tmp_path / "b" / "data" / "raw", overwrite=True)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    _assert_reads_back(out, manifests_a, tmp_path / "cache")
+
+
+def test_manifests_gone_or_edited_and_tables_out_of_step_are_refused(tmp_path):
+    source, _ = _hand_made(tmp_path)
+    raw_dir = tmp_path / "data" / "raw"
+    rank_1 = Path(source.manifest_paths[1])
+    saved = rank_1.read_text()
+    edited = json.loads(saved)
+    edited["sample_ids"] = edited["sample_ids"][::-1]
+    rank_1.write_text(json.dumps(edited))
+    with pytest.raises(ExportError) as e:
+        export_selection(source, tmp_path / "x", raw_dir)
+    assert str(e.value) == (
+        f"{rank_1}: content hash mismatch; the manifest was modified; materialize "
+        "shard_manifests again"
+    )
+    rank_1.unlink()
+    with pytest.raises(ExportError) as e:
+        export_selection(source, tmp_path / "x", raw_dir)
+    assert str(e.value) == (
+        f"the shard manifest of rank 1 of dataset 'hand', {rank_1}, is gone; materialize "
+        "shard_manifests again"
+    )
+    rank_1.write_text(saved)
+    raw = source.tables["raw_instructions"]
+    fewer = write_table(raw.read().slice(1), raw.uri)
+    first = raw.read()["sample_id"][0]
+    stale = ExportSource(
+        **{**source.__dict__, "tables": {**source.tables, "raw_instructions": fewer}}
+    )
+    with pytest.raises(ExportError) as e:
+        export_selection(stale, tmp_path / "x", raw_dir)
+    assert str(e.value) == (
+        f"1 sample(s) of the shard manifests (e.g. {first!r}) are not in raw_instructions "
+        f"{raw.uri} v1; materialize the selection chain again"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+# --- The cheap chain, materialized once, exported from the command line -----------------------
+
+CARD = "---\nlicense: cc-by-4.0\npretty_name: tiny\n---\n# tiny\n\nArithmetic and reversed words.\n"
+
+
+@pytest.fixture(scope="module")
+def selected(tmp_path_factory, tiny_model_dir) -> Path:
+    """A project folder (``data/``, a Dagster instance in ``home/``) where ``raw_instructions ->
+    shard_manifests`` and ``sample_lineage`` ran on the 60-sample dataset ``tiny``, whose folder
+    has a card declaring its license."""
+    from cluster_pipeline.defs.assets.sample_lineage import sample_lineage
+    from cluster_pipeline.defs.partitions import DATASETS
+    from cluster_pipeline_tests.helpers import materialize_partition, pipeline_assets, resources
+
+    root = tmp_path_factory.mktemp("selected")
+    data = root / "data"
+    write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
+    (data / "raw" / "tiny" / "README.md").write_text(CARD)
+    (root / "home").mkdir()
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        chain = [*pipeline_assets()[:5], sample_lineage]
+        assert materialize_partition(chain, instance, resources(data, tiny_model_dir)).success
+    return root
+
+
+def _export(root: Path, *args: str, home: Path | None = None, monkeypatch, capsys) -> str:
+    """``cluster-pipeline export ... --data-dir <root>/data``: its output (stdout, or stderr
+    when it exits with status 2)."""
+    from cluster_pipeline.cli.main import main
+
+    monkeypatch.setenv("DAGSTER_HOME", str(home or root / "home"))
+    try:
+        main(["export", *args, "--data-dir", str(root / "data")])
+    except SystemExit as e:
+        assert e.code == 2
+        return capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def _records(root: Path) -> dict[str, dict]:
+    from cluster_pipeline_tests.helpers import meta
+
+    stages = ["raw_instructions", "peripheral_subsets", "balanced_clusters", "proxy_embeddings"]
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        return {s: meta(instance, s) for s in [*stages, "shard_manifests", "sample_lineage"]}
+
+
+@pytest.mark.slow
+def test_the_export_reads_back_equal_to_the_shard_manifests(
+    selected, tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    records = _records(selected)
+    shards = records["shard_manifests"]
+    manifests = [ShardManifest.read(Path(p)) for p in shards["manifest_paths"]]
+    printed = _export(selected, "tiny", monkeypatch=monkeypatch, capsys=capsys)
+    out = selected / "data" / "exports" / "tiny"
+    sizes = [m.n_samples for m in manifests]
+    assert printed == (
+        f"exported to {out}: train {sum(sizes)}, rank_0 {sizes[0]}, rank_1 {sizes[1]} rows; "
+        f"manifest set {shards['manifest_set_sha256'][:12]}; license: cc-by-4.0\n"
+    )
+    # The manifests as the Delta table holds them, at the version the record names.
+    table = pl.read_delta(str(shards["table_uri"]), version=int(shards["table_version"]))
+    for m in manifests:
+        rows = table.filter(pl.col("rank") == m.rank).sort("position")
+        assert rows["sample_id"].to_list() == list(m.sample_ids)
+        assert set(rows["weight"]) == {m.weight}
+    header = _assert_reads_back(out, manifests, tmp_path / "cache")
+    assert header["license"] == "cc-by-4.0"
+
+    # Source file and line equal raw_instructions', and the line holds the sample.
+    raw_meta = records["raw_instructions"]
+    raw = pl.read_delta(str(raw_meta["table_uri"]), version=int(raw_meta["table_version"]))
+    by_id = {r["sample_id"]: r for r in raw.iter_rows(named=True)}
+    train = datasets.load_from_disk(str(out / "dataset_dict"))["train"].to_list()
+    for row in train:
+        stored = by_id[row["sample_id"]]
+        for column in ("source_file", "source_line", "prompt", "response", "messages"):
+            assert row[column] == stored[column]
+        assert _source_line(row)["output"] == row["response"]
+    # The card and the license file are not samples.
+    assert raw_meta["records_read"] == 60 and raw_meta["files_not_read"] == []
+
+    _, body = _card(out)
+    subsets, clusters = records["peripheral_subsets"], records["balanced_clusters"]
+    weights = ", ".join(f"{w:.4f}" for w in subsets["cluster_weights"])
+    for line in (
+        f"| selector | `{subsets['selector']}` |",
+        f"| ratio r | {subsets['ratio']:g} |",
+        f"| K (clusters = data-parallel ranks) | {clusters['num_clusters']} |",
+        f"| cluster weights w_c = n_c K / N | {weights} |",
+        f"| base model (proxy embeddings) | `{tiny_model_dir}` |",
+        f"| raw_instructions | `{raw_meta['table_uri']}` | {raw_meta['table_version']} |",
+        f"| shard_manifests | `{shards['table_uri']}` | {shards['table_version']} |",
+        f"| sample_lineage | `{records['sample_lineage']['table_uri']}` | "
+        f"{records['sample_lineage']['table_version']} |",
+        *(f"| {m.weight:.4f} | `{m.sha256}` |" for m in manifests),
+        "`cc-by-4.0`, as declared by the front matter of",
+    ):
+        assert line in body, line
+
+    # The source changes under the export (two records first: every line moves down two) and
+    # raw_instructions runs again; the export still reads the version the manifests came from.
+    from cluster_pipeline.defs.assets.raw_instructions import raw_instructions
+    from cluster_pipeline.defs.resources import StorageResource
+    from cluster_pipeline_tests.helpers import materialize_partition
+
+    more = tiny_records(62)
+    write_jsonl(selected / "data" / "raw" / "tiny" / "samples.jsonl", more[60:] + more[:60])
+    res = {"storage": StorageResource(data_dir=str(selected / "data"))}
+    with dg.DagsterInstance.from_config(str(selected / "home")) as instance:
+        assert materialize_partition([raw_instructions], instance, res).success
+    again = selected / "again"
+    _export(selected, "tiny", "--out", str(again), monkeypatch=monkeypatch, capsys=capsys)
+    assert datasets.load_from_disk(str(again / "dataset_dict"))["train"].to_list() == train
+    assert f"| raw_instructions | `{raw_meta['table_uri']}` | 0 |" in _card(again)[1]
+    assert int(_records(selected)["raw_instructions"]["table_version"]) == 1
+
+
+@pytest.mark.slow
+def test_export_errors_name_what_to_do(selected, monkeypatch, capsys, tmp_path):
+    def export(*args: str, home: Path | None = None) -> str:
+        return _export(selected, *args, home=home, monkeypatch=monkeypatch, capsys=capsys)
+
+    home = selected / "home"
+    first = (
+        "cluster-pipeline export: error: dataset {name!r} has no shard manifests to export: {why}. "
+        "Materialize selection_job (raw_instructions -> shard_manifests) for partition {name!r} "
+        "first: web UI Jobs -> selection_job, or `make run DATASET={name}` (main_job runs it "
+        "too)\n"
+    )
+    assert export("nosuch") == first.format(
+        name="nosuch", why=f"the Dagster instance at {home} has no record of them"
+    )
+    table = selected / "data" / "tables" / "shard_manifests" / "tiny"
+    (tmp_path / "other_home").mkdir()
+    assert export("tiny", home=tmp_path / "other_home") == first.format(
+        name="tiny",
+        why=f"the Dagster instance at {tmp_path / 'other_home'} has no record of them, though "
+        f"the table {table} exists (set DAGSTER_HOME to the instance that made it, or "
+        "rematerialize)",
+    )
+    assert export("tiny", home=tmp_path / "gone") == first.format(
+        name="tiny", why=f"there is no Dagster instance at {tmp_path / 'gone'}"
+    )
+
+    out = tmp_path / "export"
+    assert export("tiny", "--out", str(out)).startswith(f"exported to {out}: ")
+    assert export("tiny", "--out", str(out)).startswith(f"replaced the export in {out}: ")
+    identity = json.loads((out / "export.json").read_text())
+    mine = identity["manifest_set_sha256"]
+    (out / "export.json").write_text(json.dumps({**identity, "manifest_set_sha256": "0" * 64}))
+    assert export("tiny", "--out", str(out)) == (
+        f"cluster-pipeline export: error: {out} holds another export (dataset 'tiny', manifest "
+        f"set 000000000000), not dataset 'tiny' manifest set {mine[:12]}; pass --overwrite to "
+        "replace it, or --out another folder\n"
+    )
+    assert export("tiny", "--out", str(out), "--overwrite").startswith(
+        f"replaced the export in {out}: "
+    )
+    assert json.loads((out / "export.json").read_text())["manifest_set_sha256"] == mine
