@@ -320,3 +320,49 @@ def train_job(
     )
     job.dump(tmp_path / "train.json")
     return job, table
+
+
+# --- Evaluation results made by hand -----------------------------------------------------------
+
+
+def evaluation_result(name, group, selector, ratio, losses, train, selection, current=False):
+    """A :class:`~cluster_pipeline.evaluation.report.ModelResult` of per-sample held-out
+    losses ``losses`` (nats/token, 10 response tokens each), without a model."""
+    import numpy as np
+
+    from cluster_pipeline.evaluation.report import ModelResult
+    from cluster_pipeline.evaluation.suites import ItemScores
+
+    ids = [f"s{i}" for i in range(len(losses))]
+    return ModelResult(
+        name,
+        group,
+        "p",
+        {"heldout_loss": float(np.mean(losses))},
+        {"heldout_loss": ItemScores(ids, [10.0] * len(ids), list(losses))},
+        selector,
+        ratio,
+        train,
+        selection,
+        1.0 if selector == "full" else ratio,
+        current=current,
+    )
+
+
+def evaluation_results() -> list:
+    """Hand-made results of a comparison: the base model, peripheral r=0.5 (two runs, the
+    first current; 10 + 40 and 12 + 44 selection + training seconds), random_global r=0.5
+    (1 + 42 s) and full data (100 s), on 60 held-out samples."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    base = 1.5 + rng.normal(0, 0.2, 60)
+    return [
+        evaluation_result("base", "base", None, None, base, None, None),
+        evaluation_result(
+            "p0", "peripheral r=0.5", "peripheral", 0.5, base - 0.3, 40.0, 10.0, current=True
+        ),
+        evaluation_result("p1", "peripheral r=0.5", "peripheral", 0.5, base - 0.31, 44.0, 12.0),
+        evaluation_result("g0", "random_global r=0.5", "random_global", 0.5, base - 0.3, 42.0, 1.0),
+        evaluation_result("f0", "full r=1.0", "full", 1.0, base - 0.35, 100.0, 0.0),
+    ]

@@ -35,7 +35,7 @@ import dagster as dg
 from dagster._utils.interrupts import check_captured_interrupt
 
 from cluster_pipeline.defs.resources import StorageResource
-from cluster_pipeline.defs.run_checks import ConfigRefused, check_run
+from cluster_pipeline.defs.run_checks import ConfigRefused, check_run, resource_config
 from cluster_pipeline.storage.run_lock import Holder, PartitionBusy, PartitionLock
 
 PARTITION_TAG = "dagster/partition"
@@ -83,8 +83,7 @@ class PartitionLockedExecutor(dg.Executor):
         run, instance = plan_context.dagster_run, plan_context.instance
         dataset = run.tags.get(PARTITION_TAG)
         run_config: Any = plan_context.run_config
-        storage_config = (run_config.get("resources") or {}).get("storage") or {}
-        layout = StorageResource(**(storage_config.get("config") or {})).layout
+        layout = StorageResource(**resource_config(run_config, "storage")).layout
         try:
             check_run(
                 run_config,

@@ -7,6 +7,7 @@ What downstream stages read back lives in :mod:`cluster_pipeline.defs.records`.
 import dagster as dg
 import polars as pl
 
+from cluster_pipeline.storage.columns import describe
 from cluster_pipeline.storage.tables import markdown_preview
 
 _DAGSTER_TYPES = {
@@ -32,12 +33,28 @@ def error_checks(checks: dict[str, tuple[bool, str]]) -> list[dg.AssetCheckResul
     ]
 
 
-def table_display(frame: pl.DataFrame, preview_columns: list[str] | None = None) -> dict:
-    """``dagster/row_count``, ``dagster/column_schema`` and a Markdown ``preview`` of ``frame``
-    (first rows, ``preview_columns`` only if given)."""
+def table_display(
+    frame: pl.DataFrame, table: str, preview_columns: list[str] | None = None
+) -> dict:
+    """``dagster/row_count``, ``dagster/column_schema`` (each column's type and its description
+    from :mod:`cluster_pipeline.storage.columns`) and a Markdown ``preview`` of ``frame`` (first
+    rows, ``preview_columns`` only if given).
+
+    Args:
+        frame: the table as written (or the rows shown of it).
+        table: the table's name (:mod:`cluster_pipeline.storage.names`).
+        preview_columns: the preview's columns; None = all.
+
+    Raises:
+        KeyError: a column of ``frame`` has no description (:func:`~cluster_pipeline.storage.
+            columns.describe`).
+    """
+    descriptions = describe(table, frame.columns)
     schema = dg.TableSchema(
         columns=[
-            dg.TableColumn(name, _DAGSTER_TYPES.get(dtype, str(dtype)))
+            dg.TableColumn(
+                name, _DAGSTER_TYPES.get(dtype, str(dtype)), description=descriptions[name]
+            )
             for name, dtype in frame.schema.items()
         ]
     )

@@ -36,6 +36,7 @@ A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,64 @@ def _value(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def _env_source(value: Any) -> str | None:
+    """NAME when ``value`` is Dagster's environment-variable source ``{env: NAME}``."""
+    if isinstance(value, Mapping) and len(value) == 1 and isinstance(value.get("env"), str):
+        return value["env"]
+    return None
+
+
+def resolve_env_sources(
+    config: Mapping[str, Any], where: str
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """``config`` (one stage's or resource's run config) with every ``{env: NAME}`` value, a
+    knob's own or an element of a list knob's, replaced by the environment variable NAME.
+
+    Dagster's config schema lets every ``int``, ``str`` and ``bool`` knob of a ``dg.Config``
+    take a value or ``{env: NAME}`` (IntSource, StringSource, BoolSource: the launchpad types
+    them ``Int | { One of the following: env: String }``) and reads NAME in the process that
+    builds the step's config; the run checks read it the same way, here, so a knob given
+    ``{env: NAME}`` is checked against its bounds like any other (its value is never printed:
+    a refusal shows ``{env: NAME}``, as Dagster keeps a variable's value out of its errors).
+
+    Args:
+        config: knob -> value, as the run config gives it.
+        where: what ``config`` configures (``trained_checkpoint``), for the problems' names.
+
+    Returns:
+        (the config with the variables' values, the knobs read from a variable -> NAME, one
+        ``<where>.<knob> = {env: NAME}: ...`` problem per variable that is not set; a knob of
+        an unset variable is left out of the config).
+    """
+    resolved: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    problems: list[str] = []
+
+    def read(knob: str, value: Any) -> tuple[bool, Any]:
+        name = _env_source(value)
+        if name is None:
+            return True, value
+        sources[knob] = name
+        if name not in os.environ:
+            problems.append(
+                f"{where}.{knob} = {{env: {name}}}: the environment variable {name} is not "
+                "set where the run's steps run; set it, or give the value itself"
+            )
+            return False, None
+        return True, os.environ[name]
+
+    for knob, value in config.items():
+        if isinstance(value, list):
+            items = [read(knob, v) for v in value]
+            if all(ok for ok, _ in items):
+                resolved[knob] = [v for _, v in items]
+            continue
+        ok, value = read(knob, value)
+        if ok:
+            resolved[knob] = value
+    return resolved, sources, problems
+
+
 def _rule(message: str) -> str:
     # pydantic's own words for a bound ("Input should be greater than 0"), without the noise
     # its validators add ("Value error, ...").
@@ -140,7 +199,10 @@ def validate_stages(
     for stage in stages:
         if stage not in classes:
             continue
-        given = (ops.get(stage) or {}).get("config") or {}
+        given, sources, unset = resolve_env_sources(
+            (ops.get(stage) or {}).get("config") or {}, stage
+        )
+        problems += unset
         known = classes[stage].model_fields
         for knob in sorted(set(given) - set(known)):
             # (Dagster refuses these at launch too; dg.Config itself ignores them.)
@@ -155,7 +217,8 @@ def validate_stages(
             for err in e.errors():
                 knob = ".".join(str(x) for x in err["loc"]) or "config"
                 bad.add(str(err["loc"][0]) if err["loc"] else knob)
-                value = _value(err.get("input"))
+                top = str(err["loc"][0]) if err["loc"] else ""
+                value = f"{{env: {sources[top]}}}" if top in sources else _value(err.get("input"))
                 owner = _owner(stage, knob, given, classes[stage])
                 rule = _rule(err["msg"]) if owner is None else owner
                 problems.append(f"{stage}.{knob} = {value}: {rule}")
@@ -394,6 +457,14 @@ def min_length_of(model_path: str, layout: DataLayout) -> int:
     return length
 
 
+def resource_config(run_config: Mapping[str, Any], resource: str) -> dict[str, Any]:
+    """A resource's config in ``run_config``, ``{env: NAME}`` values read
+    (:func:`resolve_env_sources`; one whose variable is not set is left at its default, as
+    Dagster refuses such a run at launch)."""
+    given = ((run_config.get("resources") or {}).get(resource) or {}).get("config") or {}
+    return resolve_env_sources(given, resource)[0]
+
+
 def run_facts(
     run_config: Mapping[str, Any],
     stages: Collection[str],
@@ -405,7 +476,6 @@ def run_facts(
     the instance has one), the base model's template length when the model is already on
     disk (the built-in one once converted; otherwise the stage checks it before loading it),
     and the torchrun agents."""
-    resources = run_config.get("resources") or {}
     train = heldout = None
     text_records = False
     if instance is not None and dataset is not None:
@@ -417,13 +487,13 @@ def run_facts(
             text_records = record.forms.get("text", 0) > 0
             if "raw_instructions" not in stages:  # else this run reads the data again
                 train, heldout = record.train_samples, record.heldout_samples
-    model = BaseModelResource(**((resources.get("base_model") or {}).get("config") or {})).model
+    model = BaseModelResource(**resource_config(run_config, "base_model")).model
     min_length = None
     if any(stage in stages for stage in LENGTH_STAGES):
         path = local_model(model, layout.models_dir)
         if path is not None:
             min_length = min_length_of(path, layout)
-    torchrun = TorchrunResource(**((resources.get("torchrun") or {}).get("config") or {}))
+    torchrun = TorchrunResource(**resource_config(run_config, "torchrun"))
     return RunFacts(
         dataset=dataset,
         train_samples=train,

@@ -1,226 +1,547 @@
-"""PNG plots for asset metadata and reports (matplotlib, Agg backend: no display needed)."""
+"""Figures for asset metadata and the report, each one meant to be read at a glance.
+
+Every figure states what it shows in its title, labels both axes with their units, keeps its
+legend outside the data and is saved whole (``bbox_inches="tight"``, nothing clipped). The
+``*_figure`` functions build a :class:`matplotlib.figure.Figure` (tests inspect its titles and
+labels); :func:`png` saves one. Figures are built without pyplot (no global state, safe in
+Dagster's threads and processes), and PNG needs no display (Agg).
+"""
 
 from __future__ import annotations
 
 import base64
 import io
+import math
+import textwrap
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-import matplotlib
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from cluster_pipeline.evaluation.statistics import Comparison
+
+_PALETTE = colormaps["tab10"]  # 10 qualitative colours
+_DPI = 100
+# Smaller than this many steps, a curve is drawn as it is: there is nothing to smooth.
+_SMOOTH_MIN_STEPS = 6
 
 
-def _png(fig) -> bytes:
+def color(i: int) -> tuple[float, ...]:
+    """The ``i``-th colour of the qualitative palette (tab10), cycling: (r, g, b, a)."""
+    return tuple(_PALETTE(i % _PALETTE.N))
+
+
+def png(fig: Figure, dpi: int = _DPI) -> bytes:
+    """``fig`` as PNG bytes, cropped to what it draws (titles and outside legends included).
+
+    Args:
+        fig: a figure from one of this module's ``*_figure`` functions.
+        dpi: pixels per inch (the figures are sized in inches, 5-11 wide).
+    """
     buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", pad_inches=0.15)
     return buf.getvalue()
 
 
-def markdown_image(png: bytes, alt: str) -> str:
+def markdown_image(png_bytes: bytes, alt: str) -> str:
     """Markdown that embeds the PNG inline (a data URI), as the Dagster UI renders it."""
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png_bytes).decode()})"
 
 
-def cluster_sizes(
+def wrap(text: str, width: int = 100) -> str:
+    """``text`` broken into lines of at most ``width`` characters (a title that fits)."""
+    return "\n".join(textwrap.wrap(text, width)) if text else text
+
+
+def smoothing_window(steps: int) -> int:
+    """The odd window (in optimizer steps) of :func:`smooth` for a curve of ``steps`` points:
+    1 (no smoothing) under 6 points, else about a quarter of the curve, at least 3 (19 steps
+    -> 5, 100 -> 25)."""
+    if steps < _SMOOTH_MIN_STEPS:
+        return 1
+    return max(3, 2 * round(steps / 8) + 1)
+
+
+def smooth(values: Sequence[float] | np.ndarray, window: int) -> np.ndarray:
+    """Centred moving average of ``values`` over ``window`` points (odd), the window shrunk
+    to the points that exist at either end and NaNs skipped; a point whose window holds no
+    finite value stays NaN.
+
+    Args:
+        values: (n,) float, one value per optimizer step.
+        window: points averaged, odd, >= 1 (1 returns ``values`` as floats).
+
+    Raises:
+        ValueError: ``window`` is even or below 1.
+    """
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"smoothing window must be odd and >= 1, got {window}")
+    v = np.asarray(values, dtype=float)
+    half = window // 2
+    out = np.full(v.shape, np.nan)
+    for i in range(len(v)):
+        part = v[max(0, i - half) : i + half + 1]
+        part = part[np.isfinite(part)]
+        if part.size:
+            out[i] = part.mean()
+    return out
+
+
+def _outside_legend(fig: Figure, handles: list, labels: list[str], ncols: int = 3) -> None:
+    """One legend for the whole figure, below the axes (it covers no data)."""
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=max(1, min(ncols, len(labels))),
+        fontsize=8,
+        frameon=False,
+    )
+
+
+# --- Clusters ---------------------------------------------------------------------------------
+
+
+def cluster_sizes_figure(
     kmeans_sizes: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray, cap: int
-) -> bytes:
-    """Bars of cluster sizes before and after the capacity step, with the cap as a line."""
+) -> Figure:
+    """Bars of cluster sizes (samples) at the nearest centroid (k-means) and after the capacity
+    step, the cap as a dashed line; counts on the bars up to 16 clusters.
+
+    Args:
+        kmeans_sizes: (K,) samples per cluster at the nearest centroid.
+        sizes: (K,) samples per cluster after the capacity step.
+        cap: the capacity ceil(alpha N / K), samples.
+    """
     k = len(sizes)
-    fig, ax = plt.subplots(figsize=(max(4, 0.6 * k + 2), 3))
+    fig = Figure(figsize=(max(5.5, 0.55 * k + 3), 3.6), layout="constrained")
+    ax = fig.add_subplot()
     x = np.arange(k)
-    ax.bar(x - 0.2, kmeans_sizes, width=0.4, label="k-means")
-    ax.bar(x + 0.2, sizes, width=0.4, label="after capacity step")
-    ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"cap = {cap}")
-    ax.set_xlabel("cluster")
+    before = ax.bar(x - 0.2, kmeans_sizes, width=0.4, color=color(0))
+    after = ax.bar(x + 0.2, sizes, width=0.4, color=color(1))
+    cap_line = ax.axhline(cap, color="k", linestyle="--", linewidth=1)
+    if k <= 16:
+        ax.bar_label(before, fontsize=7, padding=1)
+        ax.bar_label(after, fontsize=7, padding=1)
+    top = max([cap, *np.asarray(kmeans_sizes).tolist(), *np.asarray(sizes).tolist()])
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xlabel("cluster (trained on the rank of the same number)")
     ax.set_ylabel("samples")
-    ax.set_xticks(x)
-    ax.legend(fontsize=8)
-    return _png(fig)
+    if k <= 20:
+        ax.set_xticks(x)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(f"Cluster sizes, K = {k}: k-means and after the capacity step", fontsize=10)
+    _outside_legend(
+        fig,
+        [before, after, cap_line],
+        ["nearest centroid (k-means)", "after the capacity step", f"cap = {cap} samples"],
+    )
+    return fig
 
 
-def pca_map(
+def explained_variance(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 2-D PCA of (n, d) points and the share of their variance each axis explains.
+
+    Returns:
+        ((n, 2) float coordinates on PC 1 and PC 2, (2,) float fractions of the total
+        variance, NaN when the points do not vary).
+    """
+    xs = np.asarray(x, dtype=np.float64)
+    xs = xs - xs.mean(axis=0)
+    _, s, vt = np.linalg.svd(xs, full_matrices=False)
+    total = float((s**2).sum())
+    var = s[:2] ** 2 / total if total > 0 else np.full(min(2, len(s)), np.nan)
+    xy = xs @ vt[:2].T
+    if xy.shape[1] < 2:  # one dimension, or one point: a flat second axis
+        xy = np.column_stack([xy, np.zeros((len(xy), 2 - xy.shape[1]))])
+        var = np.concatenate([var, np.full(2 - len(var), np.nan)])
+    return xy, var
+
+
+def _pct(v: float) -> str:
+    return "n/a" if not math.isfinite(v) else f"{100 * v:.1f} %"
+
+
+def pca_map_figure(
     x: np.ndarray,
     labels: np.ndarray,
     selected: np.ndarray | None = None,
+    title: str = "Proxy embeddings by cluster",
     max_points: int = 20000,
     seed: int = 0,
-) -> bytes:
-    """2-D PCA of (N, d) embeddings coloured by cluster; selected samples ringed in black."""
+) -> Figure:
+    """Scatter of (N, d) embeddings on their first two principal components, coloured by
+    cluster; ``selected`` samples ringed in black. Each axis says the share of the variance it
+    explains (of a seeded sample of at most ``max_points`` rows).
+
+    Args:
+        x: (N, d) float embeddings (unit-normalised as clustered).
+        labels: (N,) int cluster per row.
+        selected: (N,) bool, the selected samples, or None.
+        title: the figure's title (the sample size and the variance explained are appended).
+        max_points: rows drawn at most (a seeded sample).
+        seed: the sample's seed.
+    """
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(x), size=min(len(x), max_points), replace=False)
-    xs = x[idx] - x[idx].mean(axis=0)
-    _, _, vt = np.linalg.svd(xs, full_matrices=False)
-    xy = xs @ vt[:2].T
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    lab = labels[idx]
-    colors = plt.cm.tab10(np.arange(10))
+    xy, var = explained_variance(x[idx])
+    lab = np.asarray(labels)[idx]
+    fig = Figure(figsize=(7, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    handles, names = [], []
     for c in np.unique(lab):
         mask = lab == c
-        ax.scatter(
-            xy[mask, 0],
-            xy[mask, 1],
-            color=colors[c % 10],
-            s=8,
-            alpha=0.7,
-            label=f"cluster {c} ({int(mask.sum())})",
-        )
+        handles.append(ax.scatter(xy[mask, 0], xy[mask, 1], color=color(int(c)), s=9, alpha=0.75))
+        names.append(f"cluster {c}: {int(mask.sum())} samples")
     if selected is not None:
-        sel = selected[idx]
-        ax.scatter(
-            xy[sel, 0],
-            xy[sel, 1],
-            facecolors="none",
-            edgecolors="k",
-            s=18,
-            linewidths=0.6,
-            label=f"selected ({int(sel.sum())})",
+        sel = np.asarray(selected)[idx]
+        handles.append(
+            ax.scatter(
+                xy[sel, 0],
+                xy[sel, 1],
+                facecolors="none",
+                edgecolors="k",
+                s=24,
+                linewidths=0.7,
+            )
         )
-    ax.legend(fontsize=7, loc="best")
-    ax.set_xlabel("PC 1")
-    ax.set_ylabel("PC 2")
-    return _png(fig)
+        names.append(f"selected: {int(sel.sum())} samples")
+    ax.set_xlabel(f"PC 1 ({_pct(var[0])} of the variance)")
+    ax.set_ylabel(f"PC 2 ({_pct(var[1])} of the variance)")
+    both = var[0] + var[1]
+    shown = f"{len(idx)} samples" + ("" if len(idx) == len(x) else f" of {len(x)}")
+    ax.set_title(
+        f"{wrap(title, 70)}\n({shown}; PC 1 + PC 2 explain {_pct(both)} of the variance)",
+        fontsize=10,
+    )
+    fig.legend(handles, names, loc="outside right upper", fontsize=8, frameon=False)
+    return fig
 
 
-def loss_curves(steps: Sequence[int], per_rank: Sequence[Sequence[float]]) -> bytes:
-    """Training loss per rank (un-weighted mean token loss) against optimizer step."""
-    fig, ax = plt.subplots(figsize=(5, 3))
+# --- Training ---------------------------------------------------------------------------------
+
+
+def _raw_and_smoothed(ax: Axes, steps, values, c, linestyle="-") -> Line2D:
+    """Draw a curve's points faint and its :func:`smooth` line bold; returns the bold line."""
+    v = np.asarray(values, dtype=float)
+    window = smoothing_window(len(v))
+    if window == 1:  # too few steps to smooth: the points themselves, marked
+        (line,) = ax.plot(steps, v, color=c, linewidth=2.0, linestyle=linestyle, marker="o")
+        return line
+    ax.plot(steps, v, color=c, alpha=0.3, linewidth=0.8, marker=".", markersize=4)
+    (line,) = ax.plot(steps, smooth(v, window), color=c, linewidth=2.0, linestyle=linestyle)
+    return line
+
+
+def loss_curves_figure(steps: Sequence[int], per_rank: Sequence[Sequence[float]]) -> Figure:
+    """Training loss per rank against optimizer step: each step's value faint, a centred
+    moving average (:func:`smooth`) bold.
+
+    Args:
+        steps: (S,) optimizer step numbers.
+        per_rank: (S, K) loss per step and rank, nats/token: each rank's mean over its
+            response tokens, before the rank weight w_c multiplies it.
+    """
     arr = np.asarray(per_rank, dtype=float)
-    for r in range(arr.shape[1] if arr.ndim == 2 else 0):
-        ax.plot(steps, arr[:, r], marker=".", label=f"rank {r}")
+    ranks = arr.shape[1] if arr.ndim == 2 else 0
+    fig = Figure(figsize=(7, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    lines = [_raw_and_smoothed(ax, steps, arr[:, r], color(r)) for r in range(ranks)]
+    window = smoothing_window(len(steps))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend(fontsize=8)
-    return _png(fig)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    how = f"bold: mean over {window} steps, faint: each step" if window > 1 else "each step"
+    ax.set_title(f"Training loss per rank, before the rank weight w_c\n({how})", fontsize=10)
+    _outside_legend(fig, lines, [f"rank {r}" for r in range(ranks)], ncols=8)
+    return fig
 
 
-def metric_bars(
-    values: Mapping[str, Mapping[str, float]],
-    title: str = "",
-    errors: Mapping[str, Mapping[str, float]] | None = None,
-) -> bytes:
-    """One panel per metric, one bar per model (``values[model][metric]``), with error bars
-    from ``errors[model][metric]`` (e.g. the std over seeds) where given."""
-    models = list(values)
-    metrics = sorted({m for v in values.values() for m in v})
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3 * len(metrics), 3), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
-        heights = [values[m].get(metric, np.nan) for m in models]
-        yerr = [(errors or {}).get(m, {}).get(metric, 0.0) for m in models]
-        ax.bar(
-            range(len(models)),
-            heights,
-            yerr=yerr if any(yerr) else None,
-            capsize=3,
-            color=plt.cm.tab10(np.arange(len(models)) % 10),
-        )
-        ax.set_xticks(range(len(models)))
-        ax.set_xticklabels(models, rotation=20, fontsize=8)
-        ax.set_title(metric, fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return _png(fig)
+def useful_compute_figure(steps: Sequence[int], fractions: Sequence[float]) -> Figure:
+    """The useful-compute fraction per optimizer step, on a 0-1 scale with 1 marked.
+
+    Args:
+        steps: (S,) optimizer step numbers.
+        fractions: (S,) real tokens / (ranks x the busiest rank's tensor tokens) of the step
+            (training/plan.py): 1 = no padding and no rank waits for another.
+    """
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    (line,) = ax.plot(steps, fractions, marker=".", color=color(0), linewidth=1.5)
+    ideal = ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_ylim(0, 1.08)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("useful compute (fraction)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    mean = float(np.nanmean(np.asarray(fractions, dtype=float))) if len(fractions) else math.nan
+    ax.set_title(
+        f"Useful compute per step (mean {mean:.3f})\n"
+        "real tokens / (ranks x the busiest rank's tensor tokens)",
+        fontsize=10,
+    )
+    _outside_legend(fig, [line, ideal], ["this run", "1 = no padding, no rank waits"])
+    return fig
 
 
-def named_curves(
-    curves: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str
-) -> bytes:
-    """One line per name through its (x, y) points."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+def run_loss_curves_figure(
+    curves: Mapping[str, Sequence[tuple[float, float]]], groups: Mapping[str, str]
+) -> Figure:
+    """Training loss of every compared run: one colour per group, one line style per run of a
+    group (its seeds), each step faint and a centred moving average bold.
+
+    Args:
+        curves: run name -> (optimizer step, loss in nats/token, mean over ranks) per step.
+        groups: run name -> its group (what seeds are averaged over).
+    """
+    fig = Figure(figsize=(7.5, 4), layout="constrained")
+    ax = fig.add_subplot()
+    order = list(dict.fromkeys(groups[name] for name in curves))
+    styles = ["-", "--", ":", "-."]
+    seen: dict[str, int] = {}
+    lines, names = [], []
     for name, points in curves.items():
+        group = groups[name]
+        k = seen[group] = seen.get(group, -1) + 1
         xs, ys = zip(*points, strict=True) if points else ((), ())
-        ax.plot(xs, ys, marker=".", label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
-    return _png(fig)
-
-
-def scatter_labelled(points: Sequence[tuple[float, float, str]], xlabel: str, ylabel: str) -> bytes:
-    """(x, y, label) points, each labelled."""
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for x, y, label in points:
-        ax.scatter([x], [y], s=25)
-        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    return _png(fig)
-
-
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both axes (lower x and lower y are
-    better), sorted by x."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
-    front, best = [], float("inf")
-    for i in order:
-        if points[i][1] < best:
-            front.append(i)
-            best = points[i][1]
-    return front
-
-
-def decision(rows: Sequence[Mapping], metric: str) -> bytes:
-    """Quality against cost: ``metric`` (lower is better) against selection + training seconds
-    and against data fraction, one line per selector over its ratios, ``full`` as a star, the
-    Pareto front (cost vs quality) ringed. ``rows`` are aggregated report rows (keys group,
-    selector, ratio, data_fraction, train_seconds, selection_seconds, ``metric``,
-    ``metric``_std)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    seconds = [
-        float(r["train_seconds"])
-        + (float(r["selection_seconds"]) if np.isfinite(r["selection_seconds"]) else 0.0)
-        for r in rows
-    ]
-    xs_by = {"seconds": seconds, "fraction": [float(r["data_fraction"]) for r in rows]}
-    ys = [float(r[metric]) for r in rows]
-    errs = [float(r.get(f"{metric}_std", 0.0)) for r in rows]
-    front = set(pareto_front(list(zip(seconds, ys, strict=True))))
-    for ax, (key, label) in zip(
-        axes,
-        (("seconds", "selection + training seconds"), ("fraction", "data fraction")),
-        strict=True,
-    ):
-        xs = xs_by[key]
-        for k, selector in enumerate(dict.fromkeys(r["selector"] for r in rows)):
-            idx = sorted(
-                (i for i, r in enumerate(rows) if r["selector"] == selector), key=lambda i: xs[i]
-            )
-            marker = "*" if selector == "full" else "o"
-            ax.errorbar(
-                [xs[i] for i in idx],
-                [ys[i] for i in idx],
-                yerr=[errs[i] for i in idx],
-                marker=marker,
-                markersize=9 if selector == "full" else 5,
-                capsize=3,
-                label=selector,
-                color=plt.cm.tab10(k % 10),
-            )
-            for i in idx:
-                ratio = rows[i]["ratio"]
-                ax.annotate(
-                    f"r={ratio}",
-                    (xs[i], ys[i]),
-                    fontsize=6,
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                )
-        ax.scatter(
-            [xs[i] for i in front],
-            [ys[i] for i in front],
-            s=160,
-            facecolors="none",
-            edgecolors="k",
-            linewidths=1,
-            label="Pareto front (time)",
+        lines.append(
+            _raw_and_smoothed(ax, xs, ys, color(order.index(group)), styles[k % len(styles)])
         )
-        ax.set_xlabel(label)
-        ax.set_ylabel(metric)
-    axes[0].legend(fontsize=7)
-    return _png(fig)
+        names.append(name)
+    longest = max((len(p) for p in curves.values()), default=0)
+    window = smoothing_window(longest)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/token, mean over ranks)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    how = "bold: smoothed, faint: each step" if window > 1 else "each step"
+    ax.set_title(f"Training loss of each compared run ({how})", fontsize=10)
+    _outside_legend(fig, lines, names, ncols=2)
+    return fig
+
+
+def time_vs_fraction_figure(
+    points: Sequence[tuple[float, float, str]],
+    estimate: tuple[float, float] | None = None,
+) -> Figure:
+    """Training seconds against data fraction, one colour per group; with ``estimate``, the
+    dashed line of full-data training estimated as training / data fraction through that
+    run.
+
+    Args:
+        points: (data fraction, training seconds, group) per run.
+        estimate: (data fraction, training seconds) of the run the estimate starts from, or
+            None when full-data training was measured.
+    """
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.add_subplot()
+    order = list(dict.fromkeys(g for _, _, g in points))
+    handles, names = [], []
+    for i, group in enumerate(order):
+        xs = [x for x, _, g in points if g == group]
+        ys = [y for _, y, g in points if g == group]
+        handles.append(ax.scatter(xs, ys, color=color(i), s=30, zorder=3))
+        names.append(f"{group} ({len(xs)} run{'s' if len(xs) > 1 else ''})")
+    if estimate is not None and estimate[0] > 0:
+        f, s = estimate
+        (line,) = ax.plot([0, 1], [0, s / f], color="k", linestyle="--", linewidth=1)
+        handles.append(line)
+        names.append(f"full-data estimate: training / fraction = {s / f:.1f} s")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("data fraction (distinct samples trained / training pool)")
+    ax.set_ylabel("training time (s)")
+    ax.set_title("Training time against data fraction, one point per run", fontsize=10)
+    _outside_legend(fig, handles, names, ncols=2)
+    return fig
+
+
+# --- Evaluation -------------------------------------------------------------------------------
+
+
+def metric_differences_figure(
+    comparisons: Sequence[Comparison],
+    base_values: Mapping[str, float],
+    units: Mapping[str, str],
+) -> Figure:
+    """Every fine-tuned group against the base model, one panel per metric: the difference
+    with its 95 % paired bootstrap interval (the report's comparisons with ``base``), a
+    dashed line at 0 (= the base model's value, in the panel title).
+
+    Args:
+        comparisons: the report's comparisons whose reference is the base model, in order.
+        base_values: metric -> the base model's value.
+        units: metric -> its unit (``nats/token``, ``fraction of problems``).
+    """
+    metrics = list(dict.fromkeys(c.metric for c in comparisons))
+    groups = list(dict.fromkeys(c.candidate for c in comparisons))
+    fig = Figure(
+        figsize=(4.2 * max(1, len(metrics)) + 1.5, 1.2 + 0.45 * max(2, len(groups))),
+        layout="constrained",
+    )
+    axes = fig.subplots(1, max(1, len(metrics)), squeeze=False, sharey=True)[0]
+    for ax, metric in zip(axes, metrics, strict=False):
+        rows = [c for c in comparisons if c.metric == metric]
+        ys = [groups.index(c.candidate) for c in rows]
+        diffs = np.asarray([c.difference for c in rows])
+        err = np.asarray(
+            [[c.difference - c.low for c in rows], [c.high - c.difference for c in rows]]
+        )
+        for j, c in enumerate(rows):
+            ax.errorbar(
+                [diffs[j]],
+                [ys[j]],
+                xerr=err[:, j : j + 1],
+                fmt="o",
+                color=color(groups.index(c.candidate)),
+                markersize=6,
+                capsize=3,
+                linewidth=1.5,
+                zorder=3,
+            )
+        ax.axvline(0.0, color="k", linestyle="--", linewidth=1)
+        better = "lower" if rows[0].lower_is_better else "higher"
+        unit = units.get(metric, "")
+        ax.set_xlabel(f"difference from base{f' ({unit})' if unit else ''}; {better} is better")
+        base = base_values.get(metric, math.nan)
+        ax.set_title(f"{metric}\n(base model: {base:.4g})", fontsize=9)
+        ax.margins(x=0.15)
+    axes[0].set_yticks(range(len(groups)), groups, fontsize=8)
+    axes[0].set_ylabel("fine-tuned model (group)")
+    axes[0].set_ylim(len(groups) - 0.5, -0.5)
+    fig.suptitle(
+        "Fine-tuned models against the base model: difference and 95 % paired bootstrap "
+        "interval (seeds resampled too)",
+        fontsize=10,
+    )
+    return fig
+
+
+@dataclass(frozen=True)
+class DecisionPoint:
+    """One group's cost and quality against one reference, as :func:`decision_figure` draws it.
+
+    Attributes:
+        group: the candidate group (``peripheral r=0.5``).
+        reference: the reference group (``random_global r=0.5``, ``full r=1.0``, ``base``).
+        kind: which panel: ``random_global``, ``full`` or ``base``.
+        saved_seconds: full-data training seconds - (selection + training seconds), mean over
+            the group's runs; positive = time saved.
+        saved_std: sample standard deviation of that over the runs (0 for one run).
+        comparison: the paired comparison of ``group`` with ``reference`` on the metric.
+        current: whether ``group`` holds this run's checkpoint.
+        runs: how many runs (seeds) of ``group`` the means are over.
+    """
+
+    group: str
+    reference: str
+    kind: str
+    saved_seconds: float
+    saved_std: float
+    comparison: Comparison
+    current: bool
+    runs: int = 1
+
+
+_PANEL_TITLES = {
+    "random_global": "against random_global at the same ratio (same budget, no clusters)",
+    "full": "against full-data training",
+    "base": "against the base model (no fine-tuning)",
+}
+
+
+def decision_figure(
+    points: Sequence[DecisionPoint], unit: str, subtitle: str = "", full_note: str = ""
+) -> Figure:
+    """Was the subset worth it? Net time saved (x) against the quality difference with its 95 %
+    interval (y), one panel per kind of reference (random_global at the same ratio, full data;
+    the base model only when neither ran). The quadrant where time was saved and quality is
+    better is shaded green, the one where time was lost and quality is worse red; this run's
+    group is the star.
+
+    Args:
+        points: one per (group, reference), in panel order.
+        unit: the metric's unit (``nats/token``).
+        subtitle: the answer in words for this run's group (a line of the title).
+        full_note: how full-data training time was obtained (measured or estimated), for the
+            x label.
+    """
+    kinds = list(dict.fromkeys(p.kind for p in points))
+    groups = list(dict.fromkeys(p.group for p in points))
+    fig = Figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6), layout="constrained")
+    axes = fig.subplots(1, max(1, len(kinds)), squeeze=False)[0]
+    metric = points[0].comparison.metric if points else ""
+    lower = points[0].comparison.lower_is_better if points else True
+    handles: dict[str, object] = {}
+    for ax, kind in zip(axes, kinds, strict=False):
+        mine = [p for p in points if p.kind == kind]
+        for p in mine:
+            c, i = p.comparison, groups.index(p.group)
+            handles[p.group] = ax.errorbar(
+                [p.saved_seconds],
+                [c.difference],
+                yerr=[[c.difference - c.low], [c.high - c.difference]],
+                xerr=[[p.saved_std], [p.saved_std]] if p.saved_std > 0 else None,
+                fmt="*" if p.current else "o",
+                markersize=14 if p.current else 7,
+                color=color(i),
+                capsize=3,
+                linewidth=1.5,
+                zorder=3,
+            )
+        _shade_quadrants(ax, mine, lower)
+        refs = sorted({p.reference for p in mine})
+        ax.set_title(f"{_PANEL_TITLES.get(kind, kind)}\n({', '.join(refs)})", fontsize=9)
+        ax.set_xlabel(
+            "net time saved (s): full-data training - selection - training"
+            + (f"\n{full_note}" if full_note else ""),
+            fontsize=8,
+        )
+        ax.set_ylabel(
+            f"difference in {metric} ({unit}),\n{'below' if lower else 'above'} 0 = better",
+            fontsize=8,
+        )
+    labels = [
+        f"{g} (this run)" if any(p.current for p in points if p.group == g) else g for g in groups
+    ]
+    extra = [
+        Patch(color="tab:green", alpha=0.15),
+        Patch(color="tab:red", alpha=0.15),
+    ]
+    _outside_legend(
+        fig,
+        [*handles.values(), *extra],
+        [*labels, "saves time and better: worth it", "costs time and worse"],
+        ncols=2,
+    )
+    fig.suptitle(
+        "Was the subset worth it?" + (f"\n{wrap(subtitle, 110)}" if subtitle else ""),
+        fontsize=10,
+    )
+    return fig
+
+
+def _shade_quadrants(ax: Axes, points: Sequence[DecisionPoint], lower_is_better: bool) -> None:
+    """Axes that show 0 on both axes with a margin around every point and interval; the
+    good quadrant green, the bad one red, the zero lines dashed."""
+    xs = [0.0] + [p.saved_seconds + s * p.saved_std for p in points for s in (-1, 1)]
+    ys = [0.0] + [v for p in points for v in (p.comparison.low, p.comparison.high)]
+    xs = [v for v in xs if math.isfinite(v)]
+    ys = [v for v in ys if math.isfinite(v)]
+    x_pad = 0.15 * ((max(xs) - min(xs)) or 1.0)
+    y_pad = 0.15 * ((max(ys) - min(ys)) or 1.0)
+    x0, x1 = min(xs) - x_pad, max(xs) + x_pad
+    y0, y1 = min(ys) - y_pad, max(ys) + y_pad
+    good_y = (y0, 0.0) if lower_is_better else (0.0, y1)
+    bad_y = (0.0, y1) if lower_is_better else (y0, 0.0)
+    ax.fill_between([0.0, x1], *good_y, color="tab:green", alpha=0.15, linewidth=0, zorder=0)
+    ax.fill_between([x0, 0.0], *bad_y, color="tab:red", alpha=0.15, linewidth=0, zorder=0)
+    ax.axhline(0.0, color="k", linestyle="--", linewidth=0.8, zorder=1)
+    ax.axvline(0.0, color="k", linestyle="--", linewidth=0.8, zorder=1)
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)

@@ -10,8 +10,13 @@ from typing import TYPE_CHECKING
 from cluster_pipeline.storage.tables import markdown_table
 
 if TYPE_CHECKING:
+    from cluster_pipeline.evaluation.plots import DecisionPoint
     from cluster_pipeline.evaluation.report import ModelResult, ReportNumbers
     from cluster_pipeline.evaluation.statistics import Comparison
+
+# The Dagster UI (1.13) renders a Markdown metadata value inline below this many characters
+# and behind a "[Show Markdown]" link from there on.
+INLINE_MARKDOWN_LIMIT = 1000
 
 
 def fmt(value: float | None, std: float, n: int, digits: int = 4) -> str:
@@ -128,6 +133,66 @@ def net_saving_line(selection_s: float, train_s: float, full_s: float, measured:
         f"**Net time saved: {saved:.1f} s**{pct}: selection {selection_s:.1f} s + training "
         f"{train_s:.1f} s against full-data training {full_s:.1f} s ({how}).\n\n"
     )
+
+
+def full_seconds_note(numbers: ReportNumbers) -> str:
+    """How long full-data training took and how that was obtained (measured or estimated)."""
+    how = "measured" if numbers.full_measured else "estimated as training / data fraction"
+    return f"full-data training: {numbers.full_seconds:.1f} s, {how}"
+
+
+def _interval(c: Comparison) -> str:
+    return f"{signed(c.difference)} [{signed(c.low)}, {signed(c.high)}]"
+
+
+def decision_answer(points: list[DecisionPoint]) -> str:
+    """The decision figure's answer for this run's group, one sentence: its net time saved and
+    its verdict against each reference drawn (empty when the group is not drawn)."""
+    mine = [p for p in points if p.current]
+    if not mine:
+        return ""
+    first = mine[0]
+    verdicts = "; against ".join(
+        f"{p.reference}: {p.comparison.verdict} ({_interval(p.comparison)})" for p in mine
+    )
+    runs = f", mean of its {first.runs} runs" if first.runs > 1 else ""
+    alone = (
+        " (no random_global or full-data run to compare with: make compare trains them)"
+        if all(p.kind == "base" for p in points)
+        else ""
+    )
+    return (
+        f"{first.group} (this run's group): net time saved {first.saved_seconds:.1f} s{runs}; "
+        f"{first.comparison.metric} against {verdicts}{alone}"
+    )
+
+
+def worth_it_markdown(
+    numbers: ReportNumbers, selection_seconds: float, metric: str = "heldout_loss"
+) -> str:
+    """The report's answer, short enough for the Dagster UI to show inline (under
+    :data:`INLINE_MARKDOWN_LIMIT` characters): the net time saved, then this run's verdicts on
+    ``metric`` against each of its references (the last ones left out, and said so, where they
+    would not fit), and where the figure and the full report are."""
+    saving = net_saving_line(
+        selection_seconds, numbers.train_seconds, numbers.full_seconds, numbers.full_measured
+    ).strip()
+    group = numbers.current_row["group"]
+    mine = [c for c in numbers.comparisons if c.candidate == group and c.metric == metric]
+    tail = "Figure: `decision_plot`; every metric and comparison: `report`."
+    clauses = [f"{c.reference}: **{c.verdict}** ({_interval(c)})" for c in mine]
+    for kept in range(len(clauses), -1, -1):
+        if kept:
+            more = "" if kept == len(clauses) else f"; {len(clauses) - kept} more in `report`"
+            verdicts = (
+                f"{metric} of **{group}** against " + "; against ".join(clauses[:kept]) + more + "."
+            )
+        else:
+            verdicts = f"{metric} of **{group}**: no comparison." if not clauses else ""
+        text = "\n\n".join(part for part in (saving, verdicts, tail) if part)
+        if len(text) < INLINE_MARKDOWN_LIMIT:
+            return text
+    return saving[: INLINE_MARKDOWN_LIMIT - 1]
 
 
 def sequence_note(sequences: dict[str, dict[str, int]]) -> str:

@@ -24,7 +24,7 @@ import polars as pl
 
 from cluster_pipeline.evaluation import plots, render
 from cluster_pipeline.evaluation.statistics import Comparison, paired_bootstrap
-from cluster_pipeline.evaluation.suites import ItemScores, lower_is_better
+from cluster_pipeline.evaluation.suites import ItemScores, lower_is_better, metric_unit
 from cluster_pipeline.selection.selectors import REWEIGHTED_SELECTORS
 from cluster_pipeline.storage.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
 from cluster_pipeline.training.checkpointing import TRAINING_INFO, Checkpoint
@@ -84,7 +84,8 @@ def setup_values(ckpt: Checkpoint) -> dict[str, Any]:
 
 def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEntry]:
     """The base model, then each checkpoint named by selector, ratio (and target set, for a
-    targeted selector: ``rds r=0.5 target=humaneval``) and its training / selection seeds.
+    targeted selector: ``rds r=0.5 target=humaneval``) and its seeds in words
+    (``peripheral r=0.5, training seed 0, selection seed 0``).
     Checkpoints written before provenance was recorded keep their folder name as their group.
 
     Checkpoints whose setups (:func:`setup_values`) differ, say in ``lora_r``, ``max_steps``,
@@ -111,8 +112,11 @@ def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEn
             if "selector" in prov
             else f"checkpoint {ckpt.path.name}"
         ) + (f" ({label})" if label else "")
-        seeds = f"seed {ckpt.settings.get('seed', 0)}/{prov.get('selection_seed', 0)}"
-        entries.append(ModelEntry(f"{group} {seeds}", group, str(ckpt.path), ckpt, shown))
+        seeds = (
+            f"training seed {ckpt.settings.get('seed', 0)}, "
+            f"selection seed {prov.get('selection_seed', 0)}"
+        )
+        entries.append(ModelEntry(f"{group}, {seeds}", group, str(ckpt.path), ckpt, shown))
     return entries
 
 
@@ -365,40 +369,112 @@ def zero_metrics(results: list[ModelResult]) -> list[str]:
     return sorted(m for m in names if all(r.metrics.get(m, 0.0) == 0.0 for r in results))
 
 
-def report_plots(
-    results: list[ModelResult], rows: list[dict], metric_names: list[str]
-) -> dict[str, bytes]:
-    """PNG plots: metric bars per model group (metrics where every model scores 0 left out),
-    training loss curves, time vs data fraction, and the decision picture."""
-    shown = [m for m in metric_names if m not in zero_metrics(results)]
-    out = {
-        "metrics.png": plots.metric_bars(
-            {r["group"]: {m: r[m] for m in shown} for r in rows},
-            errors={r["group"]: {m: r[f"{m}_std"] for m in shown} for r in rows},
+# The quality the decision figure weighs against time: the one metric every run has.
+DECISION_METRIC = "heldout_loss"
+
+
+def decision_points(
+    results: list[ModelResult], numbers: ReportNumbers
+) -> list[plots.DecisionPoint]:
+    """What :func:`~cluster_pipeline.evaluation.plots.decision_figure` draws: every trained
+    group's net time saved against its :data:`DECISION_METRIC` comparison with random_global at
+    the same ratio and with full data; with the base model only when neither reference ran.
+
+    A group's net time saved is full-data training seconds (``numbers.full_seconds``) minus
+    each run's selection + training seconds, mean and sample std over its runs (a run without
+    a recorded selection time counts 0 s of selection)."""
+    selectors = {r["group"]: r["selector"] for r in numbers.rows}
+    current = numbers.current_row["group"]
+    totals: dict[str, list[float]] = {}
+    for r in results:
+        if r.group != "base" and r.train_seconds is not None:
+            selection = r.selection_seconds if r.selection_seconds is not None else 0.0
+            totals.setdefault(r.group, []).append(selection + r.train_seconds)
+
+    def kind(c: Comparison) -> str | None:
+        if c.reference == "base":
+            return "base"
+        selector = selectors.get(c.reference)
+        return selector if selector in ("random_global", "full") else None
+
+    chosen = [
+        c
+        for c in numbers.comparisons
+        if c.metric == DECISION_METRIC and c.candidate in totals and kind(c) is not None
+    ]
+    kinds = {kind(c) for c in chosen}
+    shown = ["random_global", "full"] if kinds - {"base"} else ["base"]
+    out = []
+    for k in shown:
+        for c in chosen:
+            if kind(c) != k:
+                continue
+            saved = numbers.full_seconds - np.asarray(totals[c.candidate])
+            out.append(
+                plots.DecisionPoint(
+                    group=c.candidate,
+                    reference=c.reference,
+                    kind=k,
+                    saved_seconds=float(saved.mean()),
+                    saved_std=float(saved.std(ddof=1)) if len(saved) > 1 else 0.0,
+                    comparison=c,
+                    current=c.candidate == current,
+                    runs=len(saved),
+                )
+            )
+    return out
+
+
+def report_plots(results: list[ModelResult], numbers: ReportNumbers) -> dict[str, bytes]:
+    """PNG figures, the answer first: ``decision.png`` (net time saved against the quality
+    difference, :func:`decision_points`), ``metrics.png`` (each trained group against the base
+    model, metrics where every model scores 0 and perplexity, the exponential of held-out loss,
+    left out), ``loss_curves.png`` (training loss of every run) and ``time_vs_fraction.png``.
+    A figure with nothing to draw is left out."""
+    out: dict[str, bytes] = {}
+    points = decision_points(results, numbers)
+    if points:
+        out["decision.png"] = plots.png(
+            plots.decision_figure(
+                points,
+                metric_unit(DECISION_METRIC),
+                subtitle=render.decision_answer(points),
+                full_note=render.full_seconds_note(numbers),
+            )
         )
-    }
+    skip = set(numbers.zero_metrics) | {"heldout_perplexity"}
+    vs_base = [c for c in numbers.comparisons if c.reference == "base" and c.metric not in skip]
+    if vs_base:
+        base = next(r for r in numbers.rows if r["group"] == "base")
+        out["metrics.png"] = plots.png(
+            plots.metric_differences_figure(
+                vs_base,
+                {m: base[m] for m in numbers.metric_names},
+                {m: metric_unit(m) for m in numbers.metric_names},
+            )
+        )
     curves = {r.name: r.loss_curve for r in results if r.loss_curve}
     if curves:
-        out["loss_curves.png"] = plots.named_curves(curves, "optimizer step", "training loss")
-    points = [
-        (r.data_fraction, r.train_seconds, r.name)
+        out["loss_curves.png"] = plots.png(
+            plots.run_loss_curves_figure(curves, {r.name: r.group for r in results})
+        )
+    runs = [
+        (r.data_fraction, r.train_seconds, r.group)
         for r in results
         if r.data_fraction is not None and r.train_seconds is not None
     ]
-    if points:
-        out["time_vs_fraction.png"] = plots.scatter_labelled(
-            points, "data fraction", "training seconds"
-        )
-    trained = [r for r in rows if r["group"] != "base" and r["selector"]]
-    if trained:
-        out["decision.png"] = plots.decision(trained, "heldout_loss")
+    if runs:
+        estimate = None if numbers.full_measured else (numbers.data_fraction, numbers.train_seconds)
+        out["time_vs_fraction.png"] = plots.png(plots.time_vs_fraction_figure(runs, estimate))
     return out
 
 
 @dataclass(frozen=True)
 class Report:
     """The rendered comparison. ``summary`` is the Markdown without images; ``pngs`` maps file
-    name -> PNG bytes; ``document`` is the JSON form."""
+    name -> PNG bytes, the answer (``decision.png``) first; ``document`` is the JSON form;
+    ``answer`` the answer in a few Markdown lines (under 1,000 characters, which the Dagster UI
+    shows inline)."""
 
     summary: str
     pngs: dict[str, bytes]
@@ -409,6 +485,7 @@ class Report:
     data_fraction: float
     full_training_seconds: float
     full_training_measured: bool
+    answer: str = ""
 
     @property
     def headline(self) -> str:
@@ -541,7 +618,7 @@ def render_report(
     }
     return Report(
         summary,
-        report_plots(results, numbers.rows, numbers.metric_names),
+        report_plots(results, numbers),
         document,
         numbers.rows,
         numbers.comparisons,
@@ -549,4 +626,5 @@ def render_report(
         numbers.data_fraction,
         numbers.full_seconds,
         numbers.full_measured,
+        render.worth_it_markdown(numbers, selection_seconds),
     )

@@ -72,6 +72,20 @@ def lower_is_better(metric: str) -> bool:
     return metric.endswith(("_loss", "_nll", "_perplexity"))
 
 
+def metric_unit(metric: str) -> str:
+    """The unit of a metric's values, for axis labels: ``nats/token`` for losses and NLLs, the
+    fraction a pass rate or an accuracy counts, ``exp(nats/token)`` for perplexity."""
+    if metric.endswith(("_loss", "_nll")):
+        return "nats/token"
+    if metric.endswith("_pass@1"):
+        return "fraction of problems solved"
+    if metric.endswith("_accuracy"):
+        return "fraction of questions right"
+    if metric.endswith("_perplexity"):
+        return "exp(nats/token)"
+    return ""
+
+
 @dataclass(frozen=True)
 class ItemScores:
     """One metric's per-item scores: ``ids`` (sample ids, task ids, question numbers),
@@ -634,7 +648,7 @@ class EvalSettings(SequenceSettings, PackingSettings):
     benchmarks: list[str] | None = Field(
         default=None,
         description=f"Benchmarks beside held-out loss, from {list(BENCHMARKS)}. "
-        'None = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
+        'null = the dataset\'s own: data/raw/<dataset>/eval.json {"benchmarks": [...]}, or '
         "humaneval + mbpp for python_stdlib.",
     )
     humaneval_problems: int = Field(
@@ -659,7 +673,7 @@ class EvalSettings(SequenceSettings, PackingSettings):
     )
     eval_data_dir: str | None = Field(
         default=None,
-        description="Folder with mbpp_reworded.json and mmlu.jsonl. None = "
+        description="Folder with mbpp_reworded.json and mmlu.jsonl. null = "
         "data/eval/, else ../shared/datasets/eval/ beside the project.",
     )
 

@@ -112,7 +112,7 @@ class TrainSettings(_Model, SequenceSettings, PackingSettings):
     max_steps: int | None = Field(
         default=None,
         ge=1,
-        description="Stop after this many optimizer steps (None = all epochs; never more steps "
+        description="Stop after this many optimizer steps (null = all epochs; never more steps "
         "than the epochs hold).",
     )
     learning_rate: float = Field(default=1e-4, gt=0.0, description="Peak AdamW learning rate.")
@@ -137,7 +137,7 @@ class TrainSettings(_Model, SequenceSettings, PackingSettings):
     save_every_steps: int | None = Field(
         default=None,
         ge=1,
-        description="Save a resumable checkpoint every N optimizer steps (None = only at the end).",
+        description="Save a resumable checkpoint every N optimizer steps (null = only at the end).",
     )
     keep_checkpoints: int = Field(default=2, ge=1, description="Intermediate checkpoints kept.")
     save_final_state: bool = Field(
@@ -150,7 +150,7 @@ class TrainSettings(_Model, SequenceSettings, PackingSettings):
         default=5,
         ge=1,
         description="Every N optimizer steps, log the mean cosine between the ranks' local "
-        "gradients (CluSTER Fig. 6a), from a fixed random projection; None = never.",
+        "gradients (CluSTER Fig. 6a), from a fixed random projection; null = never.",
     )
     grad_sketch_dim: int = Field(
         default=1024, ge=16, description="Dimension of that projection (CountSketch)."
@@ -178,7 +178,7 @@ class TrainSettings(_Model, SequenceSettings, PackingSettings):
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
     lora_target_modules: list[str] | None = Field(
         default=None,
-        description="Module names LoRA adapts; None = peft's default for the architecture "
+        description="Module names LoRA adapts; null = peft's default for the architecture "
         "(q_proj and v_proj for Llama).",
     )
 

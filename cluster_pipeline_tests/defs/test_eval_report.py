@@ -330,11 +330,26 @@ def test_checkpoints_of_other_training_setups_are_groups_of_their_own():
     )
     assert [(e.name, e.group) for e in entries] == [
         ("base", "base"),
-        ("peripheral r=0.5 (lora_r=0) seed 0/0", "peripheral r=0.5 (lora_r=0)"),
-        ("peripheral r=0.5 (lora_r=0) seed 1/1", "peripheral r=0.5 (lora_r=0)"),
-        ("peripheral r=0.5 (lora_r=8) seed 0/0", "peripheral r=0.5 (lora_r=8)"),
-        ("random_global r=0.5 (lora_r=0) seed 0/0", "random_global r=0.5 (lora_r=0)"),
-        ("random_global r=0.5 (lora_r=8) seed 0/0", "random_global r=0.5 (lora_r=8)"),
+        (
+            "peripheral r=0.5 (lora_r=0), training seed 0, selection seed 0",
+            "peripheral r=0.5 (lora_r=0)",
+        ),
+        (
+            "peripheral r=0.5 (lora_r=0), training seed 1, selection seed 1",
+            "peripheral r=0.5 (lora_r=0)",
+        ),
+        (
+            "peripheral r=0.5 (lora_r=8), training seed 0, selection seed 0",
+            "peripheral r=0.5 (lora_r=8)",
+        ),
+        (
+            "random_global r=0.5 (lora_r=0), training seed 0, selection seed 0",
+            "random_global r=0.5 (lora_r=0)",
+        ),
+        (
+            "random_global r=0.5 (lora_r=8), training seed 0, selection seed 0",
+            "random_global r=0.5 (lora_r=8)",
+        ),
     ]
     rows = [
         {"group": e.group, "selector": s, "ratio": 0.5 if s else None, "setup": e.setup}

@@ -449,3 +449,62 @@ def test_a_target_folder_is_read_before_any_model_loads(tmp_path):
         f"peripheral_subsets.target = '{good / 'a.jsonl'}': a file, not a folder: give the "
         "folder that holds it (every data file in it is read)"
     )
+
+
+# --- {env: NAME}: what the launchpad's "Int | { One of the following: env: String }" means ---
+
+
+def test_a_knob_read_from_an_environment_variable_is_checked_like_its_value(monkeypatch):
+    from cluster_pipeline.defs.run_checks import validate_stages
+
+    monkeypatch.setenv("CP_TEST_MAX_STEPS", "3")
+    monkeypatch.setenv("CP_TEST_MODULE", "k_proj")
+    config = _config(
+        "trained_checkpoint",
+        max_steps={"env": "CP_TEST_MAX_STEPS"},
+        lora_target_modules=[{"env": "CP_TEST_MODULE"}, "v_proj"],
+    )
+    configs, problems = validate_stages(config, ["trained_checkpoint"])
+    assert problems == []
+    assert configs["trained_checkpoint"].max_steps == 3
+    assert configs["trained_checkpoint"].lora_target_modules == ["k_proj", "v_proj"]
+    check_stages(config, ["trained_checkpoint"])
+    # Out of its bounds: refused, naming the variable, never its value.
+    monkeypatch.setenv("CP_TEST_MAX_STEPS", "0")
+    with pytest.raises(ConfigRefused) as refused:
+        check_stages(config, ["trained_checkpoint"])
+    assert str(refused.value) == (
+        "trained_checkpoint.max_steps = {env: CP_TEST_MAX_STEPS}: "
+        "Input should be greater than or equal to 1"
+    )
+
+
+def test_a_knob_whose_environment_variable_is_not_set_is_named(monkeypatch):
+    monkeypatch.delenv("CP_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigRefused) as refused:
+        check_stages(_config("raw_instructions", max_heldout={"env": "CP_TEST_UNSET"}), STAGES)
+    assert str(refused.value) == (
+        "raw_instructions.max_heldout = {env: CP_TEST_UNSET}: the environment variable "
+        "CP_TEST_UNSET is not set where the run's steps run; set it, or give the value itself"
+    )
+
+
+def test_dagster_and_the_run_checks_read_an_environment_variable_alike(monkeypatch):
+    """The launchpad's union is Dagster's IntSource: the job's schema accepts {env: NAME} for an
+    optional integer knob and the step gets the variable's value, which the run checks see."""
+    import dagster as dg
+
+    from cluster_pipeline.definitions import defs
+    from cluster_pipeline.defs.run_checks import resource_config
+
+    monkeypatch.setenv("CP_TEST_MAX_STEPS", "7")
+    monkeypatch.setenv("CP_TEST_DATA", "/tmp/cp-test-data")
+    config = {
+        **_config("trained_checkpoint", max_steps={"env": "CP_TEST_MAX_STEPS"}),
+        "resources": {"storage": {"config": {"data_dir": {"env": "CP_TEST_DATA"}}}},
+    }
+    job = defs().resolve_job_def("main_job")
+    resolved = dg.validate_run_config(job, config)
+    assert resolved["ops"]["trained_checkpoint"]["config"]["max_steps"] == 7
+    assert check_stages(config, ["trained_checkpoint"])["trained_checkpoint"].max_steps == 7
+    assert resource_config(config, "storage") == {"data_dir": "/tmp/cp-test-data"}

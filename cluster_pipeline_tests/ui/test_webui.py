@@ -1,5 +1,6 @@
 """The Dagster web UI in a real browser: materialize the selection chain for one partition and
-see the clusters' metadata render. Screenshots go to ``test_artifacts/ui/``."""
+see the metadata render, every figure of every asset page included. Screenshots go to
+``test_artifacts/ui/``."""
 
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
+from cluster_pipeline_tests.helpers import evaluation_results, tiny_records, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -164,21 +165,6 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         page.get_by_text("cluster_sizes_plot").first.wait_for(timeout=30000)
         page.wait_for_timeout(1500)
         page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
-        # Markdown metadata opens in a dialog: the plot must render as an image there.
-        for name, shot in (
-            ("cluster_sizes_plot", "05_cluster_sizes.png"),
-            ("pca_map", "06_pca_map.png"),
-        ):
-            row = page.locator("tr").filter(has=page.get_by_text(name, exact=True)).first
-            row.scroll_into_view_if_needed()
-            row.get_by_text("[Show Markdown]").click()
-            image = page.locator("[role=dialog] img[src^='data:image/png']").first
-            image.wait_for(timeout=15000)
-            page.wait_for_timeout(500)
-            assert image.evaluate("img => img.complete && img.naturalWidth") > 100
-            page.screenshot(path=ARTIFACTS / shot)
-            page.keyboard.press("Escape")
-            page.locator("[role=dialog]").first.wait_for(state="detached", timeout=10000)
         row = page.locator("tr").filter(has=page.get_by_text("preview", exact=True)).first
         row.scroll_into_view_if_needed()
         # Short Markdown renders inline in the metadata table.
@@ -189,6 +175,93 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
     assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
     lineage = pl.read_delta(str(data / "tables" / "sample_lineage" / "tiny"))
     assert lineage.height == 60 and lineage["checkpoints"].list.len().sum() == 0
+    _every_figure_renders(url, home=data.parent / "dagster_home")
+
+
+def _figure_entries(home: Path) -> None:
+    """trained_checkpoint's and eval_report's figures on their asset pages without training
+    (minutes here): their display entries, built by the assets' own functions from hand-made
+    numbers (a 19-step history, :func:`~cluster_pipeline_tests.helpers.evaluation_results`),
+    reported to the instance as runless materializations of partition ``tiny``."""
+    import dagster as dg
+
+    from cluster_pipeline.defs.assets.eval_report import answer_first, report_markdown
+    from cluster_pipeline.defs.assets.trained_checkpoint import training_display
+    from cluster_pipeline.evaluation.report import render_report
+
+    history = [
+        {
+            "step": s,
+            "loss_per_rank": [1.6 - 0.02 * s + 0.06 * (-1) ** s, 1.5 - 0.015 * s],
+            "useful_compute_fraction": 0.93,
+        }
+        for s in range(1, 20)
+    ]
+    report = render_report("tiny", evaluation_results(), 60, 600, {}, {}, 10.0, n_resamples=200)
+    events = {
+        "trained_checkpoint": training_display(10.0, 40.0, history),
+        "eval_report": {**answer_first(report), "report": report_markdown(report)},
+    }
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        for asset, metadata in events.items():
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(asset, partition="tiny", metadata=metadata)
+            )
+
+
+# (asset, metadata entry, screenshot): every figure an asset page shows, in its dialog.
+FIGURES = [
+    ("balanced_clusters", "cluster_sizes_plot", "05_cluster_sizes.png"),
+    ("balanced_clusters", "pca_map", "06_pca_map.png"),
+    ("peripheral_subsets", "pca_map_selected", "09_pca_map_selected.png"),
+    ("trained_checkpoint", "loss_curve", "10_loss_curve.png"),
+    ("trained_checkpoint", "useful_compute", "11_useful_compute.png"),
+    ("eval_report", "decision_plot", "13_decision_plot.png"),
+    ("eval_report", "report", "14_report.png"),
+]
+
+
+def _every_figure_renders(url: str, home: Path) -> None:
+    """Open each asset page that shows a figure and each figure's dialog: every PNG loads
+    (a figure's own checks, title, labels and legend, are unit tests: test_plots.py); the
+    answer, eval_report's first metadata entry, renders inline; the column schema carries the
+    columns' descriptions."""
+    _figure_entries(home)
+    with browser_page() as page:
+        for asset, entry, shot in FIGURES:
+            page.goto(f"{url}/assets/{asset}?partition=tiny", wait_until="networkidle")
+            key = page.locator("td:first-child").get_by_text(entry, exact=True)
+            key.first.wait_for(timeout=30000)
+            if asset == "eval_report" and entry == "decision_plot":
+                answer = page.locator("tr").filter(
+                    has=page.locator("td:first-child").get_by_text("was_it_worth_it", exact=True)
+                )
+                assert answer.first.evaluate("tr => tr.sectionRowIndex") == 0  # listed first
+                answer.first.scroll_into_view_if_needed()
+                # Rendered inline (not behind "[Show Markdown]"): the net saving in bold.
+                assert (
+                    answer.first.locator("strong")
+                    .first.inner_text()
+                    .startswith("Net time saved: 48.0 s")
+                )
+                page.screenshot(path=ARTIFACTS / "12_eval_report_answer.png")
+            if asset == "balanced_clusters" and entry == "pca_map":
+                # The Columns section: each column with its description.
+                assert page.get_by_text("Squared L2 distance to the cluster's centroid").count()
+            row = page.locator("tr").filter(has=key).first
+            row.scroll_into_view_if_needed()
+            row.get_by_text("[Show Markdown]").click()
+            images = page.locator("[role=dialog] img[src^='data:image/png']")
+            images.first.wait_for(timeout=15000)
+            page.wait_for_timeout(500)
+            widths = [i.evaluate("img => img.complete && img.naturalWidth") for i in images.all()]
+            assert widths and min(widths) > 100, (asset, entry, widths)
+            if entry == "report":
+                # decision, metrics, time vs fraction (the hand-made runs have no loss curve)
+                assert len(widths) == 3
+            page.screenshot(path=ARTIFACTS / shot)
+            page.keyboard.press("Escape")
+            page.locator("[role=dialog]").first.wait_for(state="detached", timeout=10000)
 
 
 def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):

@@ -116,13 +116,19 @@ def balanced_clusters(
         result.cap,
     )
     record = _record(config, streamed, embeddings, table, centroids_table, seconds)
-    sizes_png = plots.cluster_sizes(result.kmeans_sizes, result.sizes, result.cap)
-    map_png = plots.pca_map(streamed.kmeans_sample, streamed.kmeans_sample_labels)
+    sizes_png = plots.png(plots.cluster_sizes_figure(result.kmeans_sizes, result.sizes, result.cap))
+    map_png = plots.png(
+        plots.pca_map_figure(
+            streamed.kmeans_sample,
+            streamed.kmeans_sample_labels,
+            title=f"Proxy embeddings by cluster ({config.representation}, the k-means sample)",
+        )
+    )
     return dg.MaterializeResult(
         check_results=error_checks({"capacity": capacity_check}),
         metadata={
             **record.to_metadata(),
-            **table_display(frame),
+            **table_display(frame, BALANCED_CLUSTERS),
             "cluster_sizes_plot": dg.MetadataValue.md(
                 plots.markdown_image(sizes_png, "cluster sizes")
             ),

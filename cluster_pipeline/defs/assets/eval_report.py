@@ -14,6 +14,7 @@ from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.report import (
+    Report,
     evaluate_entries,
     item_scores_frame,
     model_entries,
@@ -122,14 +123,32 @@ def eval_report(
     record = _record(report, results, scores, path, str(current.path), heldout_stats)
     return dg.MaterializeResult(
         metadata={
+            **answer_first(report),
             **record.to_metadata(),
-            "report": dg.MetadataValue.md(
-                report.summary
-                + "\n"
-                + "\n".join(plots.markdown_image(p, n) for n, p in report.pngs.items())
-            ),
+            "report": report_markdown(report),
         }
     )
+
+
+def report_markdown(report: Report) -> dg.MetadataValue:
+    """The whole report as one Markdown entry, its figures inline (the answer's first)."""
+    return dg.MetadataValue.md(
+        report.summary
+        + "\n"
+        + "\n".join(plots.markdown_image(p, n) for n, p in report.pngs.items())
+    )
+
+
+def answer_first(report: Report) -> dict[str, dg.MetadataValue]:
+    """The entries the asset page lists first: ``was_it_worth_it``, the answer in a few lines
+    (short Markdown, which Dagster 1.13 shows inline), and ``decision_plot``, the figure that
+    answers it (a PNG is too long to show inline: Dagster opens it from "[Show Markdown]")."""
+    out: dict[str, dg.MetadataValue] = {"was_it_worth_it": dg.MetadataValue.md(report.answer)}
+    if "decision.png" in report.pngs:
+        out["decision_plot"] = dg.MetadataValue.md(
+            plots.markdown_image(report.pngs["decision.png"], "was the subset worth it?")
+        )
+    return out
 
 
 def _checkpoints(checkpoint_path: str, compare: bool) -> tuple[Checkpoint, list[Checkpoint]]:

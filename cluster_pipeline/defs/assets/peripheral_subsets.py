@@ -237,11 +237,17 @@ def peripheral_subsets(
     summary = per_cluster_summary(frame)
     record = _record(config, result, clusters, gathered, table, seconds, summary, diversity)
     context.log.info(_log_line(record))
-    map_png = _selection_map(frame, embeddings, clusters.representation, result.selected)
+    map_png = _selection_map(
+        frame,
+        embeddings,
+        clusters.representation,
+        result.selected,
+        f"{config.selector} r={config.ratio}: selected samples ringed",
+    )
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
-            **table_display(frame.filter(pl.col("selected"))),
+            **table_display(frame.filter(pl.col("selected")), PERIPHERAL_SUBSETS),
             "dagster/row_count": frame.height,
             "per_cluster_table": dg.MetadataValue.md(markdown_preview(summary, max_rows=64)),
             "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
@@ -327,7 +333,11 @@ def _memory(rss_mib: float | None, cuda_mib: float | None) -> str:
 
 
 def _selection_map(
-    frame: pl.DataFrame, embeddings: TableRef, representation: str, selected: np.ndarray
+    frame: pl.DataFrame,
+    embeddings: TableRef,
+    representation: str,
+    selected: np.ndarray,
+    title: str,
 ) -> bytes:
     """The PCA map (PNG) of a seeded sample of at most 20,000 rows of ``frame``, in the
     representation that was clustered, selected samples marked."""
@@ -338,4 +348,11 @@ def _selection_map(
         column = f"{REPRESENTATIONS[representation]}_normalised"
         mapped = embeddings.vectors_for(column, shown["sample_id"])
     rows = shown["row"].to_numpy()
-    return plots.pca_map(mapped, frame["cluster"].to_numpy()[rows], selected[rows])
+    return plots.png(
+        plots.pca_map_figure(
+            mapped,
+            frame["cluster"].to_numpy()[rows],
+            selected[rows],
+            title=f"{title} ({representation})",
+        )
+    )

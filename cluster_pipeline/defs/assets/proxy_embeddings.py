@@ -118,7 +118,7 @@ def proxy_embeddings(
     )
     shown = ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"]
     return dg.MaterializeResult(
-        metadata={**record.to_metadata(), **table_display(result.frame, shown)}
+        metadata={**record.to_metadata(), **table_display(result.frame, PROXY_EMBEDDINGS, shown)}
     )
 
 

@@ -30,14 +30,14 @@ class RawInstructionsConfig(dg.Config):
     max_heldout: int | None = Field(
         default=100,
         ge=1,
-        description="Cap on held-out samples (None = no cap; the cpu_quick default keeps 100, "
+        description="Cap on held-out samples (null = no cap; the cpu_quick default keeps 100, "
         "which tells the trained model from the base one on python_stdlib with room to spare; "
         "200 over 3 seeds detects a 1 % held-out loss difference, benchmarks/RESULTS.md).",
     )
     max_train_samples: int | None = Field(
         default=300,
         ge=1,
-        description="Cap on the training pool N, a seeded subset (None = all; the cpu_quick "
+        description="Cap on the training pool N, a seeded subset (null = all; the cpu_quick "
         "default keeps 300).",
     )
     seed: int = Field(default=0, ge=0, description="Seed of the split and of the cap's subset.")
@@ -115,6 +115,10 @@ def raw_instructions(
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
-            **table_display(frame, ["sample_id", "split", "prompt", "source_file", "source_line"]),
+            **table_display(
+                frame,
+                RAW_INSTRUCTIONS,
+                ["sample_id", "split", "prompt", "source_file", "source_line"],
+            ),
         }
     )

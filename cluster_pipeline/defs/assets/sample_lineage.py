@@ -64,6 +64,7 @@ def sample_lineage(
             **record.to_metadata(),
             **table_display(
                 frame,
+                SAMPLE_LINEAGE,
                 [
                     "sample_id",
                     "source_file",

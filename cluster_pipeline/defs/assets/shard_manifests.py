@@ -102,5 +102,5 @@ def shard_manifests(
     )
     return dg.MaterializeResult(
         check_results=error_checks(checks),
-        metadata={**record.to_metadata(), **table_display(shards)},
+        metadata={**record.to_metadata(), **table_display(shards, SHARD_MANIFESTS)},
     )

@@ -129,7 +129,7 @@ def trained_checkpoint(
             **reported,
             **record.to_metadata(),
             "estimated_memory_per_rank_gib": round(memory_per_rank / 2**30, 3),
-            **_display(record, history),
+            **training_display(record.selection_seconds, record.train_seconds, history),
         }
     )
 
@@ -203,33 +203,37 @@ def _record(
     )
 
 
-def _display(record: TrainedCheckpointRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+def training_display(
+    selection_seconds: float, train_seconds: float, history: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The asset page's tables and plots: selection against training seconds, the loss per
-    rank and the useful-compute fraction over steps."""
-    curve = plots.loss_curves([h["step"] for h in history], [h["loss_per_rank"] for h in history])
-    useful = plots.named_curves(
-        {
-            "useful compute fraction": [
-                (h["step"], h["useful_compute_fraction"])
-                for h in history
-                if "useful_compute_fraction" in h
-            ]
-        },
-        "optimizer step",
-        "real tokens / (ranks x busiest rank's tensor tokens)",
+    rank and the useful-compute fraction over steps.
+
+    Args:
+        selection_seconds: the selection's cost (embedding pass + clustering + subsets +
+            shards), s.
+        train_seconds: training's measured seconds.
+        history: the metrics file's records, one per optimizer step (``step``,
+            ``loss_per_rank``, ``useful_compute_fraction``).
+    """
+    steps = [h["step"] for h in history]
+    curve = plots.loss_curves_figure(steps, [h["loss_per_rank"] for h in history])
+    measured = [h for h in history if "useful_compute_fraction" in h]
+    useful = plots.useful_compute_figure(
+        [h["step"] for h in measured], [h["useful_compute_fraction"] for h in measured]
     )
     seconds = [
         [
             "selection (embedding pass + clustering + subsets + shards)",
-            f"{record.selection_seconds:.1f}",
+            f"{selection_seconds:.1f}",
         ],
-        ["training", f"{record.train_seconds:.1f}"],
+        ["training", f"{train_seconds:.1f}"],
     ]
     return {
         "selection_vs_training": dg.MetadataValue.md(markdown_table(["stage", "seconds"], seconds)),
-        "loss_curve": dg.MetadataValue.md(plots.markdown_image(curve, "loss per rank")),
+        "loss_curve": dg.MetadataValue.md(plots.markdown_image(plots.png(curve), "loss per rank")),
         "useful_compute": dg.MetadataValue.md(
-            plots.markdown_image(useful, "useful compute fraction per step")
+            plots.markdown_image(plots.png(useful), "useful compute fraction per step")
         ),
     }
 
