@@ -24,7 +24,15 @@ settings (seed = selection seed = training seed):
   (every variant trains with the product's default packed micro-batches since 2026-12-02;)
 - ``core``, ``random``: the other within-cluster selectors at alpha 1.5, re-weighted;
 - ``random_global``: the budget of the alpha-1.5 peripheral subset drawn from the whole pool;
-- ``full``: every sample.
+- ``full``: every sample;
+- ``--peers ifd rds s2l less``: the paper's baselines and RDS+, at random_global's budget, each
+  selected and trained through the product itself (``benchmarks/product_runs.py``: a temporary
+  Dagster instance, ``dagster asset materialize`` of ``raw_instructions`` ... ``trained_checkpoint``
+  with ``make compare``'s run configs; the pool and held-out split are checked to be the
+  harness's own, the training settings are the harness's), then scored here like the others;
+  rds and less select towards ``--target`` (HumanEval's first 64 problems with their reference
+  solutions: the benchmark that the solution NLL scores, so they see its prompts, which the
+  others do not; the report says so).
 
 Every checkpoint and the base model are scored on held-out loss (per sample, nats/token) and on
 the NLL of --humaneval HumanEval reference solutions (per problem); no generation (pass@1 is 0
@@ -50,6 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from product_runs import ProductRun
+
 from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +76,8 @@ VARIANTS = {
     "random_global": ("random_global", 1.5, True, "samples"),
 }
 DEFAULT_PLAN = ["peripheral", "peripheral_alpha1", "peripheral_noreweight", "random_global"]
+PEERS = ["ifd", "rds", "s2l", "less"]
+TARGETED = {"rds", "less"}
 
 
 def group_name(variant: str, ratio: float) -> tuple[str, dict]:
@@ -252,6 +264,9 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 f"{ckpt.train_seconds:.0f} s training loop, {wall:.0f} s wall"
             )
 
+    if args.peers:
+        run_peers(name, args, model_path, work, train, heldout, evaluate, log)
+
     rows = aggregate(results, list(results[0].metrics))
     # The method's own questions: does the capacity rule matter, does re-weighting pay?
     peripheral = group_name("peripheral", args.ratio)[0]
@@ -277,6 +292,99 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         "rows": rows,
         "comparisons": [c.to_dict() for c in comparisons],
     }
+
+
+def run_peers(name: str, args, model_path: str, work: Path, train, heldout, evaluate, log) -> None:
+    """Select and train ``args.peers`` through the product (module docstring), every seed, and
+    score each checkpoint with ``evaluate``.
+
+    Exits when the product's pool or held-out split differs from the harness's (they would not
+    be paired)."""
+    import polars as pl
+
+    from cluster_pipeline.training.checkpointing import read_checkpoint
+
+    source = None if name == "python_stdlib" else POOLS[name]
+    product = ProductRun(work / name / "product", name, source, model=model_path)
+    chain = "raw_instructions,proxy_embeddings,balanced_clusters"
+    config = {
+        "ops": {
+            "raw_instructions": {
+                "config": {
+                    "heldout_fraction": 0.5,
+                    "max_heldout": args.heldout,
+                    "max_train_samples": args.pool,
+                    "seed": 0,
+                }
+            },
+            "proxy_embeddings": {"config": {"max_length": args.max_length, "world_size": 2}},
+            "balanced_clusters": {"config": {"num_clusters": 2, "alpha": 1.5}},
+        }
+    }
+    seconds = product.materialize(chain, config, "chain")
+    raw = product.metadata("raw_instructions")
+    table = pl.read_delta(str(raw["table_uri"]), version=int(raw["table_version"]))
+    for split, mine in (("train", train), ("heldout", heldout)):
+        theirs = set(table.filter(pl.col("split") == split)["sample_id"].to_list())
+        if theirs != set(mine["sample_id"].to_list()):
+            sys.exit(f"[{name}] the product's {split} split differs from the harness's")
+    log(
+        f"[{name}] peers: the product's pool and held-out split are the harness's ({seconds:.0f} s)"
+    )
+    assets = "peripheral_subsets,shard_manifests,trained_checkpoint"
+    for seed in args.seeds:
+        for selector in args.peers:
+            subsets = {
+                "selector": selector,
+                "ratio": args.ratio,
+                "seed": seed,
+                "balance": "samples",
+            }
+            if selector in TARGETED:
+                subsets.update(target=args.target, target_size=64)
+            run = {
+                "ops": {
+                    "peripheral_subsets": {"config": subsets},
+                    "trained_checkpoint": {
+                        "config": {
+                            "max_length": args.max_length,
+                            "per_device_batch_size": 4,
+                            "gradient_accumulation_steps": 1,
+                            "learning_rate": 1e-4,
+                            "seed": seed,
+                            "grad_cosine_every": 5,
+                        }
+                    },
+                }
+            }
+            wall = product.materialize(assets, run, f"{selector}_{seed}")
+            chosen = product.metadata("peripheral_subsets")
+            trained = product.metadata("trained_checkpoint")
+            group = f"{selector} r={args.ratio}" + (
+                f" target={args.target}" if selector in TARGETED else ""
+            )
+            checkpoint = str(trained["checkpoint_path"])
+            ckpt = read_checkpoint(checkpoint)
+            assert ckpt is not None, checkpoint
+            evaluate(
+                checkpoint,
+                f"{group} seed {seed}",
+                group,
+                selector=selector,
+                ratio=args.ratio,
+                setup={"alpha": 1.5, "balance": "samples"},
+                rank_weights=trained.get("rank_weights"),
+                train_seconds=float(trained["train_seconds"]),
+                selection_seconds=float(chosen["selection_seconds"]),
+                data_fraction=float(chosen["data_fraction"]),
+                gradient_diversity=float(chosen["gradient_diversity"]),
+                grad_cosine=ckpt.mean_grad_cosine(),
+            )
+            log(
+                f"[{name}] trained {selector} seed {seed} through the product: "
+                f"{chosen['selected_samples']} samples (fraction {chosen['data_fraction']}), "
+                f"selection {chosen['selection_seconds']} s, {wall:.0f} s wall"
+            )
 
 
 def print_dataset(out: dict) -> None:
@@ -331,6 +439,14 @@ def main() -> None:
     p.add_argument(
         "--no-full", action="store_true", help="skip full data (no comparisons against it)"
     )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=PEERS,
+        help="the paper's baselines and RDS+, selected and trained through the product",
+    )
+    p.add_argument("--target", default="humaneval", help="the target set of rds and less")
     p.add_argument("--pool", type=int, default=160, help="training pool N per dataset")
     p.add_argument("--heldout", type=int, default=160, help="held-out samples per dataset")
     p.add_argument("--max-length", type=int, default=128, help="tokens per sample")
