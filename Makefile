@@ -15,7 +15,7 @@ PORT ?= 3000
 HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup run test test-fast quality format lock dev validate compare
+.PHONY: setup run test test-fast quality format lock dev validate compare mlflow
 
 setup: $(VENV)/.installed $(BWRAP) $(SLURMCTLD)
 
@@ -92,6 +92,16 @@ validate: setup
 dev: setup
 	$(INSTANCE)
 	exec $(BIN)/cluster-pipeline dev -- -w workspace.yaml -h $(HOST) -p $(PORT)
+
+# The MLflow UI on http://$(HOST):$(MLFLOW_PORT) (loopback unless HOST is set; `make mlflow
+# PORT=5001` also works) over the data folder's tracking store, data/mlflow/ (or
+# $CLUSTER_PIPELINE_DATA_DIR/mlflow/): the runs of peripheral_subsets, trained_checkpoint and
+# eval_report. A team's tracking server ($MLFLOW_TRACKING_URI) has a UI of its own. `exec`
+# makes mlflow ui make's own child, so make's signals reach it.
+MLFLOW_PORT ?= 5000
+mlflow: PORT = $(MLFLOW_PORT)
+mlflow: setup
+	exec $(BIN)/cluster-pipeline mlflow --host $(HOST) --port $(PORT)
 
 # Checkpoints of other selectors, ratios and seeds on the same dataset, then the comparison
 # report (paired intervals and verdicts against random_global at the same ratio, full data and

@@ -1,13 +1,19 @@
-"""The project's one :class:`dagster.Definitions`: the stages under ``defs/`` plus resources and
-the executor (Dagster's multiprocess executor that also checks a run's settings, holds its
-dataset partition and watches its worker: ``defs/executor.py``)."""
+"""The project's one :class:`dagster.Definitions`: the stages under ``defs/`` plus resources (data
+folder, base model, torchrun, Pipes, MLflow tracking) and the executor (Dagster's multiprocess
+executor that also checks a run's settings, holds its dataset partition and watches its worker:
+``defs/executor.py``)."""
 
 from pathlib import Path
 
 import dagster as dg
 
 from cluster_pipeline.defs.executor import partition_locked_executor
-from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.resources import (
+    BaseModelResource,
+    StorageResource,
+    TorchrunResource,
+    TrackingResource,
+)
 
 
 @dg.definitions
@@ -22,6 +28,7 @@ def defs() -> dg.Definitions:
                 "base_model": BaseModelResource(),
                 "torchrun": TorchrunResource(),
                 "pipes_subprocess_client": dg.PipesSubprocessClient(),
+                "tracking": TrackingResource(),
             },
             executor=partition_locked_executor,
         ),

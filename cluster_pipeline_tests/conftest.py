@@ -4,11 +4,22 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
 
 from cluster_pipeline_tests.helpers import build_model, build_tokenizer, tiny_records, write_jsonl
+
+
+def pytest_configure(config):
+    """MLflow tracking off for every test and every process a test starts (the CLI, dagster
+    dev), unless the test turns it on with a store of its own (``helpers.resources(...,
+    tracking_uri=...)``): a tracked stage pays seconds to import MLflow and open its SQLite
+    store, and a developer's $MLFLOW_TRACKING_URI must not receive test runs."""
+    from cluster_pipeline.defs.resources import TRACKING_ENV
+
+    os.environ[TRACKING_ENV] = "off"
 
 
 def pytest_collection_modifyitems(config, items):

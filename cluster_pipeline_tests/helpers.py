@@ -222,14 +222,24 @@ def run_config_for(assets: list[dg.AssetsDefinition], **overrides: dict) -> dict
     return {"ops": ops}
 
 
-def resources(data_dir: Path, model_dir: Path) -> dict:
-    from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+def resources(data_dir: Path, model_dir: Path, tracking_uri: str | None = None) -> dict:
+    """The project's resources over a test data folder and model; MLflow tracking off unless
+    ``tracking_uri`` is given (a store of the test's own)."""
+    from cluster_pipeline.defs.resources import (
+        BaseModelResource,
+        StorageResource,
+        TorchrunResource,
+        TrackingResource,
+    )
 
     return {
         "storage": StorageResource(data_dir=str(data_dir)),
         "base_model": BaseModelResource(model=str(model_dir)),
         "torchrun": TorchrunResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
+        "tracking": TrackingResource(
+            enabled=tracking_uri is not None, tracking_uri=tracking_uri or ""
+        ),
     }
 
 

@@ -13,10 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cluster_pipeline"
 
 # Folder -> layer: a module may import its own folder and any folder of a lower layer. launch/
 # (process plumbing: torchrun command lines, fate-sharing) imports nothing of the project, so it
-# sits at the bottom beside storage and every rank may use it.
+# sits at the bottom beside storage and every rank may use it; so does tracking/ (MLflow runs by
+# id), which the training loop's rank 0 and the Dagster assets both write through.
 LAYERS = {
     "storage": 0,
     "launch": 1,
+    "tracking": 1,
     "data": 1,
     "models": 2,
     "selection": 2,

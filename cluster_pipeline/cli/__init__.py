@@ -1,9 +1,9 @@
 """The ``cluster-pipeline`` command line, for what a person does from a shell without the web UI:
 ``datasets`` (list and register dataset partitions), ``lineage`` (trace samples), ``export``
 (the selected subset as a Hugging Face ``datasets`` dataset), ``run-config`` and
-``compare-config`` (the run configs of a size profile or a comparison run). It sits on top: it
-may use the Dagster definitions. Entry point :func:`cluster_pipeline.cli.main.main`
-(``[project.scripts]``).
+``compare-config`` (the run configs of a size profile or a comparison run), ``dev`` and
+``mlflow`` (the Dagster and MLflow web UIs). It sits on top: it may use the Dagster definitions.
+Entry point :func:`cluster_pipeline.cli.main.main` (``[project.scripts]``).
 """
 
 import os

@@ -7,12 +7,22 @@ print run configs (a size profile's, a comparison's), from a shell.
     cluster-pipeline run-config [<profile>] [--assets <asset>[,<asset>...]]
     cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
     cluster-pipeline dev -- [dagster dev arguments...]
+    cluster-pipeline mlflow [--host H] [--port P] [-- mlflow ui arguments...]
 """
 
 import argparse
 import signal
 
-from cluster_pipeline.cli import UserError, compare, dev, export, register, run_config, trace
+from cluster_pipeline.cli import (
+    UserError,
+    compare,
+    dev,
+    export,
+    mlflow_ui,
+    register,
+    run_config,
+    trace,
+)
 from cluster_pipeline.data.formats import DatasetFormatError
 
 COMMANDS = {
@@ -22,6 +32,7 @@ COMMANDS = {
     "run-config": run_config,
     "compare-config": compare,
     "dev": dev,
+    "mlflow": mlflow_ui,
 }
 
 

@@ -1,4 +1,5 @@
-"""Resources: where data lives, which base model, how torchrun is launched."""
+"""Resources: where data lives, which base model, how torchrun is launched, where runs are
+tracked."""
 
 import os
 import shutil
@@ -22,6 +23,17 @@ from cluster_pipeline.launch.torchrun import (
 )
 from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
+from cluster_pipeline.tracking.tracker import (
+    DEFAULT_EXPERIMENT,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    TAG_ASSET,
+    TAG_DAGSTER_RUN,
+    TAG_PARTITION,
+    TRACKING_URI_ENV,
+    Tracker,
+    resolve_store,
+)
 
 # Dagster's own Pipes session reads a preview property of its message readers and warns about
 # it at every launch, a warning users cannot act on; only that one is silenced.
@@ -32,6 +44,7 @@ warnings.filterwarnings(
 )
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
+TRACKING_ENV = "CLUSTER_PIPELINE_TRACKING"
 PARTITION_TAG = "dagster/partition"
 
 
@@ -341,3 +354,82 @@ class TorchrunResource(dg.ConfigurableResource):
                 },
             )
         return dg.PipesClientCompletedInvocation(session, metadata={"slurm_job_id": job_id})
+
+
+def _tracking_on() -> bool:
+    """``$CLUSTER_PIPELINE_TRACKING`` unless it says off (``off``, ``0``, ``false``, ``no``)."""
+    return os.environ.get(TRACKING_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+class TrackingResource(dg.ConfigurableResource):
+    """Experiment tracking with MLflow (:mod:`cluster_pipeline.tracking.tracker`): every
+    ``trained_checkpoint`` and ``peripheral_subsets`` materialization is an MLflow run (config as
+    params, per-step training metrics logged by torchrun's rank 0, plots as artifacts), tagged
+    with the Dagster run id, the partition and the checkpoint folder; ``eval_report`` adds the
+    evaluation metrics and the report to the checkpoint's run. A store that cannot be reached
+    costs one warning per step process; the run goes on untracked.
+
+    Why not Dagster's ``dagster-mlflow``: its ``mlflow_tracking`` is a legacy ``@resource`` (a
+    config schema, not a ``ConfigurableResource``) that keeps one MLflow run per Dagster run in
+    MLflow's process-global active run (``mlflow.start_run``, found again by a
+    ``dagster_run_id`` tag) and ends it from a job hook. Here one Dagster run holds several MLflow
+    runs (a selection and a checkpoint; several in a comparison), a training run's steps are
+    logged from another process (torchrun's rank 0), and ``eval_report`` adds to a checkpoint's
+    run from a later Dagster run: explicit run ids (``MlflowClient``) fit that, one active run
+    per process does not. It is also not installed here, and would add nothing the ``mlflow``
+    client does not have. Runs carry dagster-mlflow's ``dagster_run_id`` tag all the same.
+    """
+
+    enabled: bool = Field(
+        default_factory=_tracking_on,
+        description=f"Track runs in MLflow (default: on, unless ${TRACKING_ENV} is off).",
+    )
+    tracking_uri: str = Field(
+        default="",
+        description=f"MLflow tracking URI of a team's server (http://host:5000) or a database; "
+        f"empty = ${TRACKING_URI_ENV} if set, else the data folder's own store "
+        "(sqlite:///<data>/mlflow/mlflow.db, artifacts in <data>/mlflow/artifacts/; "
+        "`make mlflow` shows it).",
+    )
+    experiment_name: str = Field(
+        default=DEFAULT_EXPERIMENT, description="The MLflow experiment runs are logged in."
+    )
+    request_timeout_s: int = Field(
+        default=DEFAULT_TIMEOUT_S,
+        ge=1,
+        description="Seconds an HTTP call to the tracking server may take before tracking turns "
+        "off for the step (MLflow's own default is 120).",
+    )
+    request_retries: int = Field(
+        default=DEFAULT_RETRIES,
+        ge=0,
+        description="Retries of a failed HTTP call (MLflow's own default, 7 with exponential "
+        "backoff, holds a step for minutes when the server is down).",
+    )
+
+    def tracker(self, layout: DataLayout, warn=None) -> Tracker:
+        """A :class:`~cluster_pipeline.tracking.tracker.Tracker` of this store and experiment
+        (one that does nothing when ``enabled`` is off); ``warn`` receives its one warning."""
+        if not self.enabled:
+            return Tracker.disabled()
+        store = resolve_store(self.tracking_uri, layout)
+        return Tracker(
+            store.uri,
+            experiment=self.experiment_name,
+            artifact_location=store.artifact_location,
+            request_timeout_s=self.request_timeout_s,
+            request_retries=self.request_retries,
+            warn=warn,
+        )
+
+
+def run_tags(context: dg.AssetExecutionContext, **more: object) -> dict[str, str]:
+    """The tags of a stage's MLflow run: the Dagster run id, the partition and the asset, plus
+    ``more`` (None values left out)."""
+    tags = {
+        TAG_DAGSTER_RUN: context.run.run_id,
+        TAG_PARTITION: context.partition_key,
+        TAG_ASSET: context.asset_key.to_user_string(),
+        **more,
+    }
+    return {k: str(v) for k, v in tags.items() if v is not None}

@@ -13,6 +13,7 @@
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
     <data>/exports/<dataset>/                 the selection as a `datasets` dataset (cli export)
     <data>/locks/<dataset>.lock, .json        the partition's run lock and its holder
+    <data>/mlflow/mlflow.db, artifacts/       the MLflow tracking store (tracking/tracker.py)
 
 The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
 (docs/design.md, "Storage layout"). Generated paths name a dataset by :func:`storage_name`: the
@@ -113,6 +114,13 @@ class DataLayout:
         """The default folder of ``cluster-pipeline export <dataset>``: the selected subset as a
         ``datasets`` dataset (``integrations/hf_datasets.py``)."""
         return self.root / "exports" / storage_name(dataset)
+
+    @property
+    def mlflow_dir(self) -> Path:
+        """``mlflow/``: the local MLflow tracking store, ``mlflow.db`` (SQLite) and
+        ``artifacts/`` (tracking/tracker.py), shared by every dataset (runs carry the dataset
+        as a tag)."""
+        return self.root / "mlflow"
 
     def partition_lock(self, dataset: str) -> Path:
         """The lock file a run of ``dataset`` holds while it runs (storage/run_lock.py)."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from cluster_pipeline.data.tokenization import PackingSettings, SequenceSettings
 from cluster_pipeline.storage.job_files import JobFile, _Model
+from cluster_pipeline.tracking.tracker import TrackingTarget
 
 Schedule = Literal["cosine", "linear", "constant"]
 Parallelism = Literal["ddp", "fsdp"]
@@ -194,6 +195,8 @@ class TrainJob(JobFile):
     manifests: list[str] = Field(min_length=1, description="One shard manifest per rank.")
     output_dir: str
     provenance: dict[str, Any] = Field(default_factory=dict)
+    # The MLflow run rank 0 logs every step into (None: no tracking).
+    tracking: TrackingTarget | None = None
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,6 +82,15 @@ class Reporter:
             self.pipes.log.info(message)
         else:
             print(message, flush=True)
+
+    def warning(self, message: str) -> None:
+        """Log ``message`` as a warning from rank 0 (Pipes, else stderr)."""
+        if not self.env.is_main:
+            return
+        if self.pipes is not None:
+            self.pipes.log.warning(message)
+        else:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def materialization(self, metadata: dict) -> None:
         """Report the asset's materialization metadata from rank 0 (Pipes, else stdout as JSON)."""

@@ -35,6 +35,7 @@ from cluster_pipeline.models.loading import (
     safetensors_files,
 )
 from cluster_pipeline.selection.sharding import ShardManifest
+from cluster_pipeline.tracking.tracker import MetricsSender, Tracker
 from cluster_pipeline.training.checkpointing import (
     SHARDED_DIR,
     TRAINING_STATE,
@@ -528,7 +529,14 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
 
 def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     """The whole run on this rank: setup, the optimizer steps (metrics to
-    ``<output_dir>.metrics.jsonl``, intermediate saves every ``save_every_steps``), finalize."""
+    ``<output_dir>.metrics.jsonl`` and, on rank 0, to the job's MLflow run; intermediate saves
+    every ``save_every_steps``), finalize."""
+    # Rank 0 alone talks to MLflow, into the run the asset opened, from a thread of its own
+    # (started before the model loads: importing MLflow takes seconds).
+    sender = None
+    if env.is_main and job.tracking is not None:
+        tracker = Tracker.for_target(job.tracking)
+        sender = MetricsSender(tracker, job.tracking.run_id, report.warning)
     run = setup(job, env)
     cfg = run.settings
     report.info(
@@ -554,12 +562,17 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     if env.is_main:
         metrics_file = metrics_path(job.output_dir).open("w")
         metrics_file.writelines(json.dumps(r) + "\n" for r in run.history)
+    if sender is not None:
+        for entry in run.history:  # resumed: the steps before the resume, into this run too
+            sender.log(step_metrics(entry), entry["step"])
     try:
         while run.step < run.total_steps:
             entry = train_step(run)
             if metrics_file is not None:
                 metrics_file.write(json.dumps(entry) + "\n")
                 metrics_file.flush()
+            if sender is not None:
+                sender.log(step_metrics(entry), run.step)
             report.info(
                 f"step {run.step}/{run.total_steps} loss {entry['loss']:.4f} "
                 f"(ranks {[round(x, 4) for x in entry['loss_per_rank']]}) "
@@ -579,7 +592,11 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     finally:
         if metrics_file is not None:
             metrics_file.close()
-    finalize(run, time.time() - run.start, report)
+        train_seconds = time.time() - run.start
+        # Also when a step failed: the steps before it are in the run.
+        if sender is not None and not sender.close():
+            report.info("not every step's metrics reached MLflow (see the warning above)")
+    finalize(run, train_seconds, report)
 
 
 def _gather_objects(obj, env: DistEnv) -> list:
@@ -610,6 +627,27 @@ def compute_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
         "wait_seconds_per_rank": [
             round(sum(h["wait_seconds_per_rank"][r] for h in rows), 2) for r in range(world)
         ],
+    }
+
+
+def step_metrics(entry: dict[str, Any]) -> dict[str, float | None]:
+    """What experiment tracking logs of one optimizer step, from its record (:func:`train_step`):
+    ``loss`` (mean over ranks of each rank's mean response-token loss) and ``loss/rank_<r>``,
+    ``learning_rate``, ``grad_norm`` (before clipping), ``real_tokens_per_second`` (every rank's
+    real tokens, prompts included, over the step's seconds), ``useful_compute_fraction``
+    (training/plan.py), ``step_seconds``, and ``grad_cosine`` on the steps that measure it
+    (None where a record lacks the figure)."""
+    real = entry.get("real_tokens_per_rank")
+    seconds = entry.get("step_seconds")
+    return {
+        "loss": entry.get("loss"),
+        **{f"loss/rank_{r}": loss for r, loss in enumerate(entry.get("loss_per_rank", []))},
+        "learning_rate": entry.get("lr"),
+        "grad_norm": entry.get("grad_norm"),
+        "real_tokens_per_second": sum(real) / seconds if real and seconds else None,
+        "useful_compute_fraction": entry.get("useful_compute_fraction"),
+        "step_seconds": seconds,
+        "grad_cosine": entry.get("grad_cosine"),
     }
 
 

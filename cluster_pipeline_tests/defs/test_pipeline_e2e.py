@@ -1,8 +1,12 @@
 """All seven assets materialized in-process on a tiny random model and a 60-sample dataset,
-with torchrun at 2 processes for training. Asserts on the tables the stages wrote."""
+with torchrun at 2 processes for training. Asserts on the tables the stages wrote, and on the
+MLflow runs they tracked."""
 
 import json
+import logging
+import math
 import re
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +19,9 @@ from cluster_pipeline.data.formats import normalise_record
 from cluster_pipeline.data.tokenization import SequenceSettings, encode_rows
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline.selection.sharding import ShardManifest
+from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.tracking.tracker import local_store
+from cluster_pipeline.training.checkpointing import read_metrics
 from cluster_pipeline_tests.helpers import (
     CHATML_TOOLS,
     FORGETFUL,
@@ -39,10 +46,15 @@ ASSETS = pipeline_assets()
 def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
+    # Tracked in the data folder's own MLflow store (the default without $MLFLOW_TRACKING_URI).
+    store = local_store(DataLayout.at(tiny_data_dir))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         result = materialize_partition(
-            ASSETS, instance, resources(tiny_data_dir, tiny_model_dir), run_config=RUN_CONFIG
+            ASSETS,
+            instance,
+            resources(tiny_data_dir, tiny_model_dir, tracking_uri=store.uri),
+            run_config=RUN_CONFIG,
         )
         assert result.success
 
@@ -140,6 +152,102 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir):
         assert len(reported) == 1 and "\n" not in reported[0]
         assert reported[0].startswith("**Net time saved")
         assert not [m for m in messages if "### Comparisons" in m]
+        _assert_tracked(store.uri, result.run_id, instance, ckpt, weights)
+
+
+def _assert_tracked(uri: str, dagster_run: str, instance, ckpt: Path, weights) -> None:
+    """The selection and the checkpoint are MLflow runs of the data folder's store: tags,
+    params, every step's metrics as rank 0 logged them (one point per step: no other rank
+    logs), the evaluation and the artifacts."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("cluster_pipeline")
+    assert experiment is not None
+    runs = {r.data.tags["dagster_asset"]: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"peripheral_subsets", "trained_checkpoint"}
+    for run in runs.values():
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["dagster_run_id"] == dagster_run
+        assert run.data.tags["dagster_partition"] == "tiny"
+        assert run.data.tags["selector"] == "peripheral"
+
+    train = runs["trained_checkpoint"]
+    assert train.data.tags["checkpoint_folder"] == str(ckpt)
+    assert meta(instance, "trained_checkpoint")["mlflow_run_id"] == train.info.run_id
+    params = train.data.params
+    assert {k: params[k] for k in ("selector", "ratio", "K", "alpha", "balance")} == {
+        "selector": "peripheral",
+        "ratio": "0.5",
+        "K": "2",
+        "alpha": "1.3",
+        "balance": "tokens",
+    }
+    assert json.loads(params["rank_weights"]) == pytest.approx(weights, rel=1e-5)
+    assert (params["learning_rate"], params["max_length"], params["packing"]) == (
+        "0.001",
+        "64",
+        "True",
+    )
+    # Per step, exactly what the loop wrote to its metrics file.
+    steps = read_metrics(ckpt)
+    n = len(steps)
+    assert n >= 2
+
+    def history(key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in client.get_metric_history(train.info.run_id, key)]
+
+    for rank in range(2):
+        assert history(f"loss/rank_{rank}") == [
+            (h["step"], pytest.approx(h["loss_per_rank"][rank], rel=1e-12)) for h in steps
+        ]
+    assert history("useful_compute_fraction") == [
+        (h["step"], pytest.approx(h["useful_compute_fraction"], rel=1e-12)) for h in steps
+    ]
+    assert [v for _, v in history("useful_compute_fraction")] == pytest.approx(
+        [sum(h["real_tokens_per_rank"]) / (2 * max(h["padded_tokens_per_rank"])) for h in steps]
+    )
+    assert history("real_tokens_per_second") == [
+        (h["step"], pytest.approx(sum(h["real_tokens_per_rank"]) / h["step_seconds"]))
+        for h in steps
+    ]
+    # The learning rate by hand: 1e-3 peak, linear warm-up over int(0.1 n) steps, then cosine.
+    warmup = int(0.1 * n)
+
+    def lr(k: int) -> float:
+        if k < warmup:
+            return 1e-3 * (k + 1) / warmup
+        return 1e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, (k - warmup) / max(1, n - warmup))))
+
+    assert history("learning_rate") == [
+        (k, pytest.approx(lr(k), abs=1e-12)) for k in range(1, n + 1)
+    ]
+    assert len(history("grad_norm")) == n and all(v > 0 for _, v in history("grad_norm"))
+    # eval_report added the evaluation and the report to the checkpoint's run.
+    report = meta(instance, "eval_report")
+    metrics = client.get_run(train.info.run_id).data.metrics
+    assert metrics["eval/tuned/heldout_loss"] == report["tuned/heldout_loss"]
+    assert metrics["eval/base/heldout_loss"] == report["base/heldout_loss"]
+    assert metrics["summary/steps"] == n
+    files = {
+        a.path
+        for folder in ("plots", "eval_report")
+        for a in client.list_artifacts(train.info.run_id, folder)
+    }
+    assert {"plots/loss_per_rank.png", "plots/useful_compute.png"} <= files
+    assert {"eval_report/eval_report.md", "eval_report/eval_report.json"} <= files
+    assert any(f.startswith("eval_report/") and f.endswith(".png") for f in files)
+    assert "training_info.json" in {a.path for a in client.list_artifacts(train.info.run_id)}
+
+    selection = runs["peripheral_subsets"]
+    subsets = meta(instance, "peripheral_subsets")
+    assert selection.data.params["selector"] == "peripheral"
+    assert selection.data.params["K"] == "2"
+    for key in ("data_fraction", "gradient_diversity", "forward_passes", "selection_seconds"):
+        assert selection.data.metrics[key] == pytest.approx(subsets[key]), key
+    assert [a.path for a in client.list_artifacts(selection.info.run_id, "plots")] == [
+        "plots/pca_map_selected.png"
+    ]
 
 
 @pytest.mark.slow
@@ -172,8 +280,12 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
     proxy_embeddings after the chain was built must not leak into later stages run alone:
     the PCA map reads the embeddings that were clustered, and training reads the
     raw_instructions version the manifests were selected from (the newest one lacks some of
-    their samples, so reading it would fail)."""
-    res = resources(tiny_data_dir, tiny_model_dir)
+    their samples, so reading it would fail). The MLflow server these runs track to is down:
+    each tracked step warns once, naming it, and goes on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    res = resources(tiny_data_dir, tiny_model_dir, tracking_uri=down)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         assert materialize_partition(ASSETS[:5], instance, res).success
@@ -191,7 +303,16 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
         )
         assert meta(instance, "proxy_embeddings")["table_version"] == 1
 
-        assert materialize_partition(ASSETS[3:6], instance, res).success
+        rerun = materialize_partition(ASSETS[3:6], instance, res)
+        assert rerun.success
+        warnings = [
+            (e.step_key, e.user_message)
+            for e in instance.all_logs(rerun.run_id)
+            if e.level == logging.WARNING and "MLflow" in e.user_message
+        ]
+        assert [step for step, _ in warnings] == ["peripheral_subsets", "trained_checkpoint"]
+        assert all(down in message for _, message in warnings)
+        assert "mlflow_run_id" not in meta(instance, "trained_checkpoint")
         inputs = meta(instance, "peripheral_subsets")["inputs"]
         assert inputs["proxy_embeddings"]["version"] == 0
         assert inputs["raw_instructions"]["version"] == 0

@@ -1,5 +1,6 @@
 """The torchrun training entry: re-weighting equals the stratified gradient, resume after a
-kill reaches the same weights, and unequal shards are refused."""
+kill reaches the same weights (and rank 0 logs every step, restored ones too, into MLflow), and
+unequal shards are refused."""
 
 import json
 import os
@@ -17,6 +18,8 @@ from safetensors.torch import load_file
 
 from cluster_pipeline.data.tokenization import collate, encode_sample
 from cluster_pipeline.selection.sharding import ShardManifest
+from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.tracking.tracker import Tracker, local_store
 from cluster_pipeline.training.config import TrainJob, TrainSettings
 from cluster_pipeline.training.loop import lr_lambda
 from cluster_pipeline.training.plan import plan_padded
@@ -245,6 +248,13 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, 
     assert (ckpts / "step_0000004" / "training_state.pt").exists(), "step 4 was never saved"
     proc.wait()
     assert not Path(cut_cfg.output_dir).exists(), "the kill must land before the end"
+    tracked = mode == {"parallelism": "ddp"}  # one case pays for MLflow's import and store
+    store = local_store(DataLayout.at(tmp_path / "data"))
+    tracker = Tracker(store.uri, artifact_location=store.artifact_location)
+    run_id = tracker.start_run("resumed", tags={}) if tracked else None
+    if tracked:
+        job = TrainJob.load(cut_dir / "train.json")
+        job.model_copy(update={"tracking": tracker.target(run_id)}).dump(cut_dir / "train.json")
     done = torchrun(TRAIN, 2, ["--config", str(cut_dir / "train.json")])
     assert done.returncode == 0, done.stderr[-3000:]
     info = json.loads((Path(cut_cfg.output_dir) / "training_info.json").read_text())
@@ -261,6 +271,14 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_model_dir, 
         for x in Path(cut_cfg.output_dir + ".metrics.jsonl").read_text().splitlines()
     ]
     np.testing.assert_allclose(cut_loss, ref_loss, rtol=1e-6)
+    if run_id is not None:
+        # One point per step (rank 0 alone logs), the steps before the kill included.
+        from mlflow import MlflowClient
+
+        history = MlflowClient(tracking_uri=store.uri).get_metric_history(run_id, "loss")
+        assert sorted((m.step, m.value) for m in history) == [
+            (step, pytest.approx(loss, rel=1e-12)) for step, loss in enumerate(cut_loss, 1)
+        ]
 
 
 @pytest.mark.slow

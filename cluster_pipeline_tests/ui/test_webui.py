@@ -53,8 +53,10 @@ def _graphql(url: str, query: str) -> dict:
         return json.loads(resp.read())["data"]
 
 
-@pytest.fixture
-def webserver(tmp_path, tiny_model_dir):
+# One `dagster dev` for the module's tests (each start costs about a minute on 2 cores).
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory, tiny_model_dir):
+    tmp_path = tmp_path_factory.mktemp("webui")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} absent: install Debian's chromium package (.ci/run does)")
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (test extra)")
@@ -80,9 +82,13 @@ def webserver(tmp_path, tiny_model_dir):
         capture_output=True,
     )
     port = _free_port()
-    dagster = str(Path(sys.executable).parent / "dagster")
+    # What `make dev` runs: `dagster dev` under `cluster-pipeline dev`, which stops all of it
+    # within seconds of a SIGTERM (plain `dagster dev` outlived 30 s of waiting here).
     proc = subprocess.Popen(
-        [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+        [
+            *[sys.executable, "-m", "cluster_pipeline.cli", "dev", "--"],
+            *["-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+        ],
         cwd=ROOT,
         env=env,
         start_new_session=True,
@@ -186,7 +192,7 @@ def _figure_entries(home: Path) -> None:
     import dagster as dg
 
     from cluster_pipeline.defs.assets.eval_report import answer_first, report_markdown
-    from cluster_pipeline.defs.assets.trained_checkpoint import training_display
+    from cluster_pipeline.defs.assets.trained_checkpoint import training_display, training_plots
     from cluster_pipeline.evaluation.report import render_report
 
     history = [
@@ -199,7 +205,7 @@ def _figure_entries(home: Path) -> None:
     ]
     report = render_report("tiny", evaluation_results(), 60, 600, {}, {}, 10.0, n_resamples=200)
     events = {
-        "trained_checkpoint": training_display(10.0, 40.0, history),
+        "trained_checkpoint": training_display(10.0, 40.0, training_plots(history)),
         "eval_report": {**answer_first(report), "report": report_markdown(report)},
     }
     with dg.DagsterInstance.from_config(str(home)) as instance:

@@ -9,7 +9,13 @@ import polars as pl
 from pydantic import Field
 
 from cluster_pipeline.defs.records import EvalReportRecord, TrainedCheckpointRecord, read_record
-from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
+from cluster_pipeline.defs.resources import (
+    BaseModelResource,
+    StorageResource,
+    TorchrunResource,
+    TrackingResource,
+    run_tags,
+)
 from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
@@ -27,6 +33,7 @@ from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
 from cluster_pipeline.storage.names import EVAL_ITEM_SCORES, RAW_INSTRUCTIONS, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
+from cluster_pipeline.tracking.tracker import TAG_CHECKPOINT, Tracker
 from cluster_pipeline.training.checkpointing import Checkpoint, list_checkpoints, read_checkpoint
 from cluster_pipeline.training.config import settings_of
 
@@ -50,6 +57,7 @@ def eval_report(
     base_model: BaseModelResource,
     torchrun: TorchrunResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
+    tracking: TrackingResource,
 ) -> dg.MaterializeResult:
     """Base model vs the CluSTER checkpoint (and, side by side, every other checkpoint of this
     dataset: other selectors, budgets, seeds; mean ± std over seeds): held-out loss and
@@ -58,7 +66,8 @@ def eval_report(
     and data fraction. Written as standalone Markdown with PNG plots to
     ``data/reports/<dataset>/``. Each model is evaluated in its own process
     (:mod:`cluster_pipeline.recipes.evaluate` under torchrun), so one killed by a signal is
-    named with the likely cause.
+    named with the likely cause. The metrics, the report and its plots also go into the
+    checkpoint's MLflow run (the tracking resource).
     """
     dataset, layout = context.partition_key, storage.layout
     trained = read_record(context, TrainedCheckpointRecord)
@@ -121,10 +130,13 @@ def eval_report(
     # One line in the run's log; the whole report is the asset's ``report`` metadata and file.
     context.log.info(f"{report.headline} Report: {path}")
     record = _record(report, results, scores, path, str(current.path), heldout_stats)
+    tracker = tracking.tracker(layout, context.log.warning)
+    run_id = _track(tracker, context, record, path, report.pngs)
     return dg.MaterializeResult(
         metadata={
             **answer_first(report),
             **record.to_metadata(),
+            **({"mlflow_run_id": run_id} if run_id else {}),
             "report": report_markdown(report),
         }
     )
@@ -149,6 +161,51 @@ def answer_first(report: Report) -> dict[str, dg.MetadataValue]:
             plots.markdown_image(report.pngs["decision.png"], "was the subset worth it?")
         )
     return out
+
+
+def _track(
+    tracker: Tracker,
+    context: dg.AssetExecutionContext,
+    record: EvalReportRecord,
+    path: Path,
+    pngs: dict[str, bytes],
+) -> str | None:
+    """The evaluation into the current checkpoint's MLflow run (the newest run tagged with its
+    folder; a run of its own, ended at once, for a checkpoint trained untracked): both models'
+    metrics (``eval/base/...``, ``eval/tuned/...``), the differences against each reference
+    (``eval/difference/<reference>/<metric>``) with their verdicts as tags, and the report
+    (Markdown, JSON, plots) under ``eval_report/``. Returns the run id (None: untracked)."""
+    run_id = tracker.find_run({TAG_CHECKPOINT: record.checkpoint_path})
+    opened = run_id is None
+    if opened:
+        run_id = tracker.start_run(
+            f"{context.partition_key} eval {Path(record.checkpoint_path).name}",
+            run_tags(context, **{TAG_CHECKPOINT: record.checkpoint_path}),
+        )
+    metrics: dict[str, float | None] = {
+        **{f"eval/base/{m}": v for m, v in record.base.items()},
+        **{f"eval/tuned/{m}": v for m, v in record.tuned.items()},
+        "eval/train_seconds": record.train_seconds,
+        "eval/full_training_seconds": record.full_training_seconds,
+        "eval/data_fraction": record.data_fraction,
+    }
+    for v in record.verdicts:
+        metrics[f"eval/difference/{v['reference']}/{v['metric']}"] = v["difference"]
+    tracker.log_metrics(run_id, metrics)
+    tracker.set_tags(
+        run_id,
+        {
+            "eval_dagster_run_id": context.run.run_id,
+            **{f"verdict/{v['reference']}/{v['metric']}": v["verdict"] for v in record.verdicts},
+        },
+    )
+    for name in (path.name, "eval_report.json"):
+        tracker.log_artifact(run_id, path.parent / name, "eval_report")
+    for name, png in pngs.items():
+        tracker.log_bytes(run_id, png, name, "eval_report")
+    if opened:
+        tracker.end_run(run_id)
+    return run_id
 
 
 def _checkpoints(checkpoint_path: str, compare: bool) -> tuple[Checkpoint, list[Checkpoint]]:

@@ -13,7 +13,12 @@ from cluster_pipeline.defs.records import (
     PeripheralSubsetsRecord,
     read_record,
 )
-from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
+from cluster_pipeline.defs.resources import (
+    StorageResource,
+    TorchrunResource,
+    TrackingResource,
+    run_tags,
+)
 from cluster_pipeline.defs.selection_inputs import GatheredInputs, gather_inputs
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
@@ -33,6 +38,7 @@ from cluster_pipeline.selection.selectors import (
 from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, S2L_CLUSTERS, round_mib
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, PERIPHERAL_SUBSETS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_table
+from cluster_pipeline.tracking.tracker import TAG_SELECTOR, Tracker
 from cluster_pipeline.training.proxy import LessWarmup, ProxyRun
 
 # The s2l knobs and the less knobs (refused for the other selectors: defs/run_checks.py).
@@ -176,6 +182,7 @@ def peripheral_subsets(
     storage: StorageResource,
     torchrun: TorchrunResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
+    tracking: TrackingResource,
 ) -> dg.MaterializeResult:
     """One row per clustered sample: ``selection_rank`` (0 = first chosen within its cluster by
     a cluster selector, in the whole pool by the others), ``selected``, ``copies`` (times
@@ -183,6 +190,8 @@ def peripheral_subsets(
     cluster (1 for selectors without re-weighting) and ``score``, what the selector ranks by
     (null for the random orders). The metadata holds the selector's cost: its seconds and the
     forward/backward passes of the model passes it needed. docs/design.md, steps 3 and 5.
+    Tracked as an MLflow run (the tracking resource): the knobs as params, the cost and the
+    subset's figures as metrics, the PCA map as an artifact.
     """
     dataset = context.partition_key
     start = time.perf_counter()
@@ -199,51 +208,65 @@ def peripheral_subsets(
             description=f"{dataset}: peripheral_subsets.s2l_clusters = {config.s2l_clusters}: "
             f"more trajectory clusters than the {frame.height} clustered samples; lower it"
         )
-    gathered = gather_inputs(
-        context,
-        config.selector,
-        config.target,
-        config.target_size,
-        storage,
-        torchrun,
-        pipes_subprocess_client,
-        clusters,
-        frame,
-        config.proxy_run(),
-        config.less_warmup(),
+    tracker = tracking.tracker(storage.layout, context.log.warning)
+    run_id = tracker.start_run(
+        f"{dataset} {config.selector} r={config.ratio} seed={config.seed} selection",
+        run_tags(context, **{TAG_SELECTOR: config.selector}),
+        {
+            **config.model_dump(),
+            "K": clusters.num_clusters,
+            "alpha": clusters.alpha,
+            "representation": clusters.representation,
+        },
     )
-    params = SelectionParams(config.ratio, config.seed, config.balance, config.s2l_clusters)
-    try:
-        result = run_selector(config.selector, gathered.inputs, params)
-    except ValueError as e:
-        raise dg.Failure(description=f"{dataset}: {e}") from e
-    assert result.score is not None  # run_selector records it
-    frame = frame.with_columns(
-        pl.Series("selection_rank", result.selection_rank),
-        pl.Series("selected", result.selected),
-        pl.Series("copies", result.copies),
-        pl.Series("weight", result.weight),
-        pl.Series("score", result.score, dtype=pl.Float64).fill_nan(None),
-    )
-    table = write_table(
-        frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
-    )
-    seconds = time.perf_counter() - start
-    # Gradient diversity of the subset as trained and of the pool, streamed from the embeddings.
-    diversity = subset_and_pool_diversity(
-        embeddings.vector_batches("embedding", keep="skip_reason"),
-        frame.select("sample_id", "copies"),
-    )
-    summary = per_cluster_summary(frame)
-    record = _record(config, result, clusters, gathered, table, seconds, summary, diversity)
-    context.log.info(_log_line(record))
-    map_png = _selection_map(
-        frame,
-        embeddings,
-        clusters.representation,
-        result.selected,
-        f"{config.selector} r={config.ratio}: selected samples ringed",
-    )
+    with tracker.ending(run_id):
+        gathered = gather_inputs(
+            context,
+            config.selector,
+            config.target,
+            config.target_size,
+            storage,
+            torchrun,
+            pipes_subprocess_client,
+            clusters,
+            frame,
+            config.proxy_run(),
+            config.less_warmup(),
+        )
+        params = SelectionParams(config.ratio, config.seed, config.balance, config.s2l_clusters)
+        try:
+            result = run_selector(config.selector, gathered.inputs, params)
+        except ValueError as e:
+            raise dg.Failure(description=f"{dataset}: {e}") from e
+        assert result.score is not None  # run_selector records it
+        frame = frame.with_columns(
+            pl.Series("selection_rank", result.selection_rank),
+            pl.Series("selected", result.selected),
+            pl.Series("copies", result.copies),
+            pl.Series("weight", result.weight),
+            pl.Series("score", result.score, dtype=pl.Float64).fill_nan(None),
+        )
+        table = write_table(
+            frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
+        )
+        # The selection's cost, not the tracking's (opening the MLflow run takes seconds).
+        seconds = time.perf_counter() - start - tracker.seconds
+        # Gradient diversity of the subset as trained and of the pool, streamed from the embeddings.
+        diversity = subset_and_pool_diversity(
+            embeddings.vector_batches("embedding", keep="skip_reason"),
+            frame.select("sample_id", "copies"),
+        )
+        summary = per_cluster_summary(frame)
+        record = _record(config, result, clusters, gathered, table, seconds, summary, diversity)
+        context.log.info(_log_line(record))
+        map_png = _selection_map(
+            frame,
+            embeddings,
+            clusters.representation,
+            result.selected,
+            f"{config.selector} r={config.ratio}: selected samples ringed",
+        )
+        _track(tracker, run_id, record, map_png)
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
@@ -251,8 +274,32 @@ def peripheral_subsets(
             "dagster/row_count": frame.height,
             "per_cluster_table": dg.MetadataValue.md(markdown_preview(summary, max_rows=64)),
             "pca_map_selected": dg.MetadataValue.md(plots.markdown_image(map_png, "selected")),
+            **({"mlflow_run_id": run_id} if run_id else {}),
         }
     )
+
+
+def _track(
+    tracker: Tracker, run_id: str | None, record: PeripheralSubsetsRecord, map_png: bytes
+) -> None:
+    """Into the selection's MLflow run: its cost (seconds, model passes, peak memory per rank)
+    and the subset's figures (size, data fraction, gradient diversity), and the PCA map."""
+    metrics = {
+        "selection_seconds": record.selection_seconds,
+        "stage_seconds": record.seconds,
+        "selector_seconds": record.selector_seconds,
+        "forward_passes": record.forward_passes,
+        "backward_passes": record.backward_passes,
+        "peak_rss_mib": record.selection_peak_rss_mib,
+        "peak_cuda_mib": record.selection_peak_cuda_mib,
+        "pool_size": record.pool_size,
+        "selected_samples": record.selected_samples,
+        "data_fraction": record.data_fraction,
+        "gradient_diversity": record.gradient_diversity,
+        "pool_gradient_diversity": record.pool_gradient_diversity,
+    }
+    tracker.log_metrics(run_id, metrics)
+    tracker.log_bytes(run_id, map_png, "pca_map_selected.png", "plots")
 
 
 def _record(

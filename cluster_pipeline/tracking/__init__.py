@@ -1,0 +1,8 @@
+"""Experiment tracking: the runs of training and selection as MLflow runs (``tracker``). A
+Dagster-free wrapper around ``mlflow.MlflowClient`` with explicit run ids (no active-run
+state: several runs live in one process and every torchrun rank is a process of its own), the
+data folder's own store (SQLite and an artifact folder under ``<data>/mlflow/``) and the target
+a job file carries to rank 0. Every call is guarded: the first that fails logs one warning and
+turns the tracker into a no-op, so a tracking server that is down never fails or stalls the
+pipeline. Imports only ``storage``.
+"""
