@@ -54,7 +54,8 @@ def test_one_and_two_ranks_give_the_same_table(tmp_path, tiny_model_dir):
 
 
 def test_a_killed_run_resumes_with_only_the_missing_chunks(tmp_path, tiny_model_dir):
-    table = instructions_table(tmp_path / "raw", tiny_records(400))
+    # 60 chunks of 2: the kill lands after chunk 3 with dozens still to go.
+    table = instructions_table(tmp_path / "raw", tiny_records(120))
     ids = read_train_split(table.uri, table.version)["sample_id"].to_list()
     ref, ref_path = _config(tmp_path, tiny_model_dir, table, "ref", chunk_size=2, max_batch_size=1)
     cut, cut_path = _config(tmp_path, tiny_model_dir, table, "cut", chunk_size=2, max_batch_size=1)
