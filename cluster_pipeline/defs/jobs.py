@@ -16,13 +16,14 @@ from cluster_pipeline.defs.profiles import (
     job_name,
     profile_run_config,
 )
-from cluster_pipeline.defs.stages import SELECTION_STAGES, STAGES
+from cluster_pipeline.defs.stages import JOB_RUN_TAG, SELECTION_STAGES, STAGES
 from cluster_pipeline.storage.names import SAMPLE_LINEAGE
 
 
 # Every job ends with sample_lineage, so a run leaves the lineage of what it selected and
-# trained (it would otherwise wait for the automation sensor, and a run from the UI would make
-# that sensor start a second run for it).
+# trained (it would otherwise wait for the automation sensor). Every job's runs carry
+# JOB_RUN_TAG: the eager conditions (defs/stages.py) ignore the parent updates these runs make,
+# since the same run materializes the children too.
 def main_job_of(profile: str):
     """All seven stages and ``sample_lineage``, with ``profile``'s sizes as the job's
     (launchpad-editable) config."""
@@ -30,7 +31,7 @@ def main_job_of(profile: str):
         job_name(profile),
         selection=dg.AssetSelection.assets(*STAGES, SAMPLE_LINEAGE),
         config=profile_run_config(profile),
-        tags={"cluster_pipeline/profile": profile},
+        tags={"cluster_pipeline/profile": profile, JOB_RUN_TAG: job_name(profile)},
         description=f"raw_instructions -> ... -> eval_report, then sample_lineage, for one "
         f"dataset partition, size profile {profile}.",
     )
@@ -43,7 +44,7 @@ selection_job = dg.define_asset_job(
     "selection_job",
     selection=dg.AssetSelection.assets(*SELECTION_STAGES, SAMPLE_LINEAGE),
     config=profile_run_config(DEFAULT_PROFILE, SELECTION_STAGES),
-    tags={"cluster_pipeline/profile": DEFAULT_PROFILE},
+    tags={"cluster_pipeline/profile": DEFAULT_PROFILE, JOB_RUN_TAG: "selection_job"},
     description="The cheap selection chain, raw_instructions -> shard_manifests, and "
     "sample_lineage.",
 )

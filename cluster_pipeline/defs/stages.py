@@ -34,6 +34,50 @@ SELECTION_STAGES = STAGES[:5]
 
 Group = Literal["ingest", "selection", "training", "inspection"]
 
+# Every run of one of the project's jobs (main_job*, selection_job) carries this tag.
+JOB_RUN_TAG = "cluster_pipeline/job"
+
+_ac = dg.AutomationCondition
+
+
+def parents_updated():
+    """True where a parent was updated since the previous evaluation by a run that did not
+    also target this asset, or will be requested on this tick: Dagster's ``any_deps_updated``,
+    but also ignoring a parent updated by a run of one of the project's jobs (tag
+    :data:`JOB_RUN_TAG`).
+
+    Dagster skips a parent "executed with the root target" only when the run lists its assets
+    (an asset-selection run). A run of a whole job lists none (``asset_selection`` is None), so
+    the eager condition read every ``selection_job`` / ``main_job`` run's parent updates as
+    news: when the sensor saw a parent's update while the child's step did not count as in
+    progress (a second run of the partition, queued before the first one materialized; a child
+    step that failed), it started the child again, unasked, with the stages' default config,
+    e.g. a second embedding pass at other sizes. A job run already materializes every stage
+    it holds, so the automation follows only updates made outside the jobs (the UI's
+    *Materialize* of some assets, a reported event, its own runs)."""
+    return _ac.any_deps_match(
+        (
+            _ac.newly_updated()
+            & ~_ac.executed_with_root_target()
+            & ~_ac.executed_with_tags(tag_keys={JOB_RUN_TAG})
+        ).with_label("updated outside this asset's runs and the project's jobs")
+        | _ac.will_be_requested()
+    ).with_label("parents_updated")
+
+
+def eager():
+    """Dagster's ``AutomationCondition.eager()`` with :func:`parents_updated` in place of
+    ``any_deps_updated``: run when a parent updates (outside the project's jobs) or the
+    partition becomes missing, unless a parent is missing or in progress, or this asset is in
+    progress."""
+    return (
+        _ac.in_latest_time_window()
+        & (_ac.newly_missing() | parents_updated()).since_last_handled()
+        & ~_ac.any_deps_missing()
+        & ~_ac.any_deps_in_progress()
+        & ~_ac.in_progress()
+    ).with_label("eager (the project's job runs aside)")
+
 
 def ui_description(docstring: str) -> str:
     """A docstring as the UI's Markdown shows it: dedented, paragraphs joined into lines, and
@@ -49,9 +93,9 @@ def ui_description(docstring: str) -> str:
 def stage_asset(group: Group, **kwargs: Any) -> Callable[..., dg.AssetsDefinition]:
     """``@dg.asset`` with the dataset partitions and ``group_name`` set, and the function's
     docstring as its description in Markdown (:func:`ui_description`); selection stages get
-    the eager automation condition unless ``automation_condition`` is given."""
+    the eager automation condition (:func:`eager`) unless ``automation_condition`` is given."""
     if group == "selection":
-        kwargs.setdefault("automation_condition", dg.AutomationCondition.eager())
+        kwargs.setdefault("automation_condition", eager())
 
     def decorate(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         if fn.__doc__ and "description" not in kwargs:

@@ -8,7 +8,7 @@ import polars as pl
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import SampleLineageRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
-from cluster_pipeline.defs.stages import stage_asset
+from cluster_pipeline.defs.stages import eager, parents_updated, stage_asset
 from cluster_pipeline.storage.lineage import LINEAGE_STAGES, build_lineage
 from cluster_pipeline.storage.names import SAMPLE_LINEAGE, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
@@ -19,9 +19,9 @@ _CHECKPOINT = dg.AssetSelection.assets(TRAINED_CHECKPOINT)
 # Eager on the selection chain; a new checkpoint also refreshes it, but a missing one (training
 # runs only on request) does not block it.
 LINEAGE_CONDITION = (
-    dg.AutomationCondition.eager().ignore(_CHECKPOINT)
+    eager().ignore(_CHECKPOINT)
     | (
-        dg.AutomationCondition.any_deps_updated().allow(_CHECKPOINT).since_last_handled()
+        parents_updated().allow(_CHECKPOINT).since_last_handled()
         & ~dg.AutomationCondition.any_deps_in_progress()
         & ~dg.AutomationCondition.in_progress()
     )
