@@ -74,9 +74,13 @@ run: setup
 		--tags '{"dagster/partition": "$(DATASET)"}'
 	@echo "report: data/reports/$(DATASET)/eval_report.md"
 
-# The whole test suite, slow end-to-end tests included (what CI runs).
+# The whole test suite, slow end-to-end tests included (what CI runs), spread over up to 4
+# pytest-xdist workers (one per core; a test file stays on one worker, so its module fixtures
+# start once). Most slow tests wait on the processes they start; two workers keep both cores busy.
+TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -m "slow or not slow"
+	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --maxprocesses=4 --durations=30 \
+		--dist loadfile
 
 # The fast unit tests only.
 test-fast: setup
