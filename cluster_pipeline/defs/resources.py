@@ -1,6 +1,7 @@
 """Resources: where data lives, which base model, how torchrun is launched, where runs are
 tracked."""
 
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +24,14 @@ from cluster_pipeline.launch.torchrun import (
 )
 from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
+from cluster_pipeline.tracking.settings import (
+    OFF_VALUES,
+    TRACKING_ENV,
+    settings_problems,
+    store_notice,
+    switch_value,
+    uri_source,
+)
 from cluster_pipeline.tracking.tracker import (
     DEFAULT_EXPERIMENT,
     DEFAULT_RETRIES,
@@ -44,7 +53,6 @@ warnings.filterwarnings(
 )
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
-TRACKING_ENV = "CLUSTER_PIPELINE_TRACKING"
 PARTITION_TAG = "dagster/partition"
 
 
@@ -357,8 +365,10 @@ class TorchrunResource(dg.ConfigurableResource):
 
 
 def _tracking_on() -> bool:
-    """``$CLUSTER_PIPELINE_TRACKING`` unless it says off (``off``, ``0``, ``false``, ``no``)."""
-    return os.environ.get(TRACKING_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+    """``$CLUSTER_PIPELINE_TRACKING`` unless it says off (``off``, ``0``, ``false``, ``no``).
+    Any other value is taken as on here (Dagster builds the resource while loading the code,
+    which must not fail) and refused by the run checks (``TrackingResource.problems``)."""
+    return switch_value() is not False
 
 
 class TrackingResource(dg.ConfigurableResource):
@@ -382,7 +392,8 @@ class TrackingResource(dg.ConfigurableResource):
 
     enabled: bool = Field(
         default_factory=_tracking_on,
-        description=f"Track runs in MLflow (default: on, unless ${TRACKING_ENV} is off).",
+        description=f"Track runs in MLflow (default: on, unless ${TRACKING_ENV} is "
+        f"{'/'.join(OFF_VALUES)}).",
     )
     tracking_uri: str = Field(
         default="",
@@ -407,10 +418,44 @@ class TrackingResource(dg.ConfigurableResource):
         "backoff, holds a step for minutes when the server is down).",
     )
 
+    def problems(self, check_switch: bool = True) -> list[str]:
+        """What the run checks refuse in these settings before the run's first step
+        (:func:`~cluster_pipeline.tracking.settings.settings_problems`): an unknown
+        ``$CLUSTER_PIPELINE_TRACKING`` (unless ``check_switch`` is False: the run config gives
+        ``enabled`` itself), an empty ``experiment_name``, a tracking URI that is not one MLflow
+        can track to. Empty when there is nothing to refuse."""
+        return settings_problems(
+            self.enabled,
+            uri_source(self.tracking_uri),
+            self.experiment_name,
+            check_switch=check_switch,
+        )
+
     def tracker(self, layout: DataLayout, warn=None) -> Tracker:
         """A :class:`~cluster_pipeline.tracking.tracker.Tracker` of this store and experiment
-        (one that does nothing when ``enabled`` is off); ``warn`` receives its one warning."""
+        (one that does nothing when ``enabled`` is off); ``warn`` receives its one warning.
+
+        The settings are checked first, before any MLflow call: a store that cannot be opened
+        as it is (a SQLite database whose folder is missing) gives one warning and a tracker
+        that does nothing, so the run goes on untracked, as with a server that is down. What
+        :meth:`problems` refuses (the run's start refuses it; a step reached without the
+        project's executor, as in ``dagster.materialize``, still gets here) is that one
+        warning too: a step must not fail for its tracking."""
+        warn = warn or logging.getLogger(__name__).warning
         if not self.enabled:
+            return Tracker.disabled()
+        problems = self.problems()
+        if problems:
+            warn(
+                "MLflow tracking is off for this step: its settings are refused. "
+                + " ".join(problems)
+            )
+            return Tracker.disabled()
+        source = uri_source(self.tracking_uri)
+        notice, usable = store_notice(source)
+        if notice:
+            warn(notice)
+        if not usable:
             return Tracker.disabled()
         store = resolve_store(self.tracking_uri, layout)
         return Tracker(

@@ -50,7 +50,11 @@ from cluster_pipeline.defs.records import (
     UpstreamNotMaterialized,
     latest_record,
 )
-from cluster_pipeline.defs.resources import BaseModelResource, TorchrunResource
+from cluster_pipeline.defs.resources import (
+    BaseModelResource,
+    TorchrunResource,
+    TrackingResource,
+)
 from cluster_pipeline.evaluation.targets import target_problem
 from cluster_pipeline.models.loading import local_model
 from cluster_pipeline.selection.selectors import (
@@ -90,6 +94,8 @@ def stage_configs() -> dict[str, type[dg.Config]]:
 
 
 LENGTH_STAGES = ("proxy_embeddings", "trained_checkpoint", "eval_report")
+# The stages that open or add to an MLflow run (the tracking resource).
+TRACKED_STAGES = ("peripheral_subsets", "trained_checkpoint", "eval_report")
 
 
 class ConfigRefused(ValueError):
@@ -519,11 +525,23 @@ def check_run(
         ConfigRefused: the one-line refusal (module docstring).
     """
     _, problems = validate_stages(run_config, stages)
+    problems += tracking_problems(run_config, stages)
     if problems:  # bounds first: the rules below read valid configs only
         raise ConfigRefused("; ".join(problems))
     return check_stages(
         run_config, stages, run_facts(run_config, stages, instance, dataset, layout)
     )
+
+
+def tracking_problems(run_config: Mapping[str, Any], stages: Collection[str]) -> list[str]:
+    """The tracking settings a run with a tracked stage (:data:`TRACKED_STAGES`) is refused
+    for (:meth:`~cluster_pipeline.defs.resources.TrackingResource.problems`: an unknown
+    ``$CLUSTER_PIPELINE_TRACKING``, an empty ``experiment_name``, a tracking URI MLflow cannot
+    track to), checked before any MLflow call; none for a run without one."""
+    if not any(stage in stages for stage in TRACKED_STAGES):
+        return []
+    given = resource_config(run_config, "tracking")
+    return TrackingResource(**given).problems(check_switch="enabled" not in given)
 
 
 def check_run_config(config: Mapping[str, Any]) -> None:

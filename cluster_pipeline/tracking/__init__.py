@@ -4,5 +4,7 @@ state: several runs live in one process and every torchrun rank is a process of 
 data folder's own store (SQLite and an artifact folder under ``<data>/mlflow/``) and the target
 a job file carries to rank 0. Every call is guarded: the first that fails logs one warning and
 turns the tracker into a no-op, so a tracking server that is down never fails or stalls the
-pipeline. Imports only ``storage``.
+pipeline. Its settings are checked before any MLflow call (``settings``): what cannot mean
+anything is refused at the run's start, a store that cannot be opened as it is warns once.
+Imports only ``storage``.
 """

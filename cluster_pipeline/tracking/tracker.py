@@ -48,8 +48,8 @@ from pydantic import Field
 
 from cluster_pipeline.storage.job_files import _Model
 from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.tracking.settings import TRACKING_URI_ENV, sqlite_database, uri_source
 
-TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_EXPERIMENT = "cluster_pipeline"
 DEFAULT_TIMEOUT_S = 2
 DEFAULT_RETRIES = 0
@@ -67,6 +67,7 @@ _METRICS_PER_BATCH = 1000
 _PARAM_CHARS = 6000
 _TAG_CHARS = 8000
 _SQLITE = "sqlite:///"
+_REASON_CHARS = 400
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,15 +102,34 @@ def local_store(layout: DataLayout) -> Store:
 def resolve_store(uri: str, layout: DataLayout) -> Store:
     """The store of a tracking URI setting: ``uri`` if given, else ``$MLFLOW_TRACKING_URI``, else
     :func:`local_store`. A SQLite URI keeps its artifacts in ``artifacts/`` beside the database
-    (MLflow would use ``./mlruns`` of whatever folder the process runs in); a server decides
-    for itself."""
-    uri = uri or os.environ.get(TRACKING_URI_ENV, "")
+    (MLflow would use ``./mlruns`` of whatever folder the process runs in), and a relative
+    database path (``sqlite:///runs.db``: relative to the working folder) is made absolute, so
+    that torchrun's rank 0, started elsewhere, writes the same file; a server decides for
+    itself. The settings are checked before (``tracking/settings.py``)."""
+    uri = uri_source(uri).uri
     if not uri:
         return local_store(layout)
-    if uri.startswith(_SQLITE):
-        database = Path(uri.removeprefix(_SQLITE))
-        return Store(uri, (database.parent.absolute() / "artifacts").as_uri())
+    database = sqlite_database(uri)
+    if database is not None:
+        query = uri.partition("?")[1:]
+        return Store(
+            f"{_SQLITE}{database}{''.join(query)}", (database.parent / "artifacts").as_uri()
+        )
     return Store(uri)
+
+
+def whole_sentences(text: str, limit: int = _REASON_CHARS) -> str:
+    """The first line of ``text``, cut after the last whole sentence within ``limit``
+    characters (the first sentence whole even when longer): an error's reason, quoted in a
+    warning without stopping mid-sentence."""
+    line = (text.strip().splitlines() or [""])[0].strip()
+    sentences = re.split(r"(?<=[.!?])\s+", line)
+    kept = sentences[0]
+    for sentence in sentences[1:]:
+        if len(kept) + 1 + len(sentence) > limit:
+            break
+        kept = f"{kept} {sentence}"
+    return kept
 
 
 def metric_key(name: str) -> str:
@@ -391,10 +411,12 @@ class Tracker:
             return fn(self._client or self._connect())
         except Exception as e:  # anything the store raises: tracking must not fail a run
             self._off = True
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
+            reason = whole_sentences(str(e)) or "no message"
+            if reason[-1] not in ".!?":
+                reason += "."
             self._warn(
                 f"MLflow tracking is off for the rest of this process: {what} at {self.uri} "
-                f"failed ({type(e).__name__}: {reason}). The run goes on untracked. To track, "
+                f"failed. {type(e).__name__}: {reason} The run goes on untracked. To track, "
                 "start that server or fix the URI (the tracking resource's tracking_uri, else "
                 f"${TRACKING_URI_ENV}; empty = the data folder's own store), or set the "
                 "tracking resource's enabled: false to track nothing."

@@ -30,6 +30,7 @@ from cluster_pipeline.selection.selectors import (
     SelectionResult,
     Selector,
     describe,
+    needs_targets,
     per_cluster_summary,
     run_selector,
     trains_a_proxy,
@@ -41,7 +42,8 @@ from cluster_pipeline.storage.tables import TableRef, markdown_preview, write_ta
 from cluster_pipeline.tracking.tracker import TAG_SELECTOR, Tracker
 from cluster_pipeline.training.proxy import LessWarmup, ProxyRun
 
-# The s2l knobs and the less knobs (refused for the other selectors: defs/run_checks.py).
+# The s2l knobs and the less knobs (refused for the other selectors: defs/run_checks.py);
+# TARGET_KNOBS, the targeted selectors' (rds, less), are run_checks' own.
 S2L_KNOBS = ("s2l_steps", "s2l_checkpoints", "s2l_clusters", "s2l_learning_rate")
 LESS_KNOBS = (
     "less_warmup_fraction",
@@ -213,12 +215,13 @@ def peripheral_subsets(
         f"{dataset} {config.selector} r={config.ratio} seed={config.seed} selection",
         run_tags(context, **{TAG_SELECTOR: config.selector}),
         {
-            **config.model_dump(),
+            **tracked_knobs(config),
             "K": clusters.num_clusters,
             "alpha": clusters.alpha,
             "representation": clusters.representation,
         },
     )
+    tracker.log_bytes(run_id, run_config_yaml(config), RUN_CONFIG_ARTIFACT)
     with tracker.ending(run_id):
         gathered = gather_inputs(
             context,
@@ -277,6 +280,35 @@ def peripheral_subsets(
             **({"mlflow_run_id": run_id} if run_id else {}),
         }
     )
+
+
+RUN_CONFIG_ARTIFACT = "run_config.yaml"
+
+
+def tracked_knobs(config: PeripheralSubsetsConfig) -> dict[str, object]:
+    """The knobs of ``config`` that its selector reads, as the MLflow run's params: the s2l
+    knobs for s2l only, the less knobs for less only, ``target``/``target_size`` for the
+    targeted selectors only (the others' values are defaults nobody chose, and would make
+    runs of one selector look different by knobs it ignores). The whole config is the run's
+    ``run_config.yaml`` artifact (:func:`run_config_yaml`)."""
+    from cluster_pipeline.defs.run_checks import TARGET_KNOBS
+
+    ignored = {
+        *(() if trains_a_proxy(config.selector) else S2L_KNOBS),
+        *(() if warms_up_lora(config.selector) else LESS_KNOBS),
+        *(() if needs_targets(config.selector) else TARGET_KNOBS),
+    }
+    return {k: v for k, v in config.model_dump().items() if k not in ignored}
+
+
+def run_config_yaml(config: PeripheralSubsetsConfig) -> str:
+    """Every knob of ``config``, those its selector ignores too, as the YAML of a Dagster run
+    config (``ops: peripheral_subsets: config: ...``): the selection's MLflow run keeps it as
+    an artifact, so nothing the params leave out is lost and the run can be repeated."""
+    import yaml
+
+    run_config = {"ops": {"peripheral_subsets": {"config": config.model_dump(mode="json")}}}
+    return yaml.safe_dump(run_config, sort_keys=False)
 
 
 def _track(
