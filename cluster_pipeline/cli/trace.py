@@ -4,13 +4,17 @@
     cluster-pipeline lineage <dataset> --selected          # every selected sample
     cluster-pipeline lineage <dataset> --diff OLD NEW       # subset versions compared
 
-Reads the latest version of each stage's Delta table under ``data/tables/`` (or
-``--data-dir``); ``--diff`` compares two versions of the ``peripheral_subsets`` table (Delta time
-travel) and lists the samples that entered and left the subset. ``--json`` prints JSON lines.
+Reads each stage's Delta table under ``data/tables/`` (or ``--data-dir``) at the version the
+latest shard manifests were built from, as the ``sample_lineage`` asset does, and says so in a
+header; a stage re-run since (a newer version) is named there with the columns it would change.
+``--diff`` compares two versions of the ``peripheral_subsets`` table (Delta time travel) and
+lists the samples that entered and left the subset. ``--json`` prints JSON lines (the header
+goes to stderr).
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -19,8 +23,13 @@ from deltalake.exceptions import TableNotFoundError
 
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
-from cluster_pipeline.storage.lineage import build_lineage, latest_tables, subset_diff
-from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, RAW_INSTRUCTIONS
+from cluster_pipeline.storage.lineage import (
+    build_lineage,
+    checkpoints_elsewhere,
+    read_lineage_tables,
+    subset_diff,
+)
+from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, RAW_INSTRUCTIONS, SHARD_MANIFESTS
 from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
 
@@ -59,8 +68,13 @@ def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Print the lineage of samples (or the subset difference of two versions), from the latest
-    version of each table."""
+    """Print the lineage of samples (or the subset difference of two versions), from each
+    table at the version the latest shard manifests were built from.
+
+    Raises:
+        UserError: the dataset has no tables, a sample id is not in it, or ``--selected`` where
+            nothing was selected yet (each exits with status 2, as every "not found" here).
+    """
     layout = DataLayout.at(args.data_dir)
     if args.diff:
         old, new = args.diff
@@ -68,30 +82,66 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         return
     if not args.sample_ids and not args.selected:
         parser.error("give sample_id(s), --selected or --diff OLD NEW")
-    tables = latest_tables(layout, args.dataset)
-    if tables.get(RAW_INSTRUCTIONS) is None:
+    tables = read_lineage_tables(layout, args.dataset)
+    raw = tables.frames[RAW_INSTRUCTIONS]
+    if raw is None:
         raise UserError(
             f"dataset {args.dataset!r} has no tables under {layout.root / 'tables'}: it "
             "does not exist or was never materialized. Datasets with tables: "
             f"{', '.join(layout.datasets_with_tables()) or 'none'}"
         )
+    if args.selected and tables.frames[PERIPHERAL_SUBSETS] is None:
+        raise UserError(
+            f"nothing selected yet in dataset {args.dataset!r} (no peripheral_subsets table): "
+            f"run selection_job for partition {args.dataset!r} (web UI Jobs -> selection_job, "
+            f"or `make run DATASET={args.dataset}`)"
+        )
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(args.dataset)))
-    frame = build_lineage({s: t[1] if t else None for s, t in tables.items()}, checkpoints)
+    frame = build_lineage(tables.frames, checkpoints)
     if args.selected:
         rows = frame.filter(pl.col("selected").fill_null(False))
     else:
         rows = frame.filter(pl.col("sample_id").is_in(args.sample_ids))
         missing = sorted(set(args.sample_ids) - set(rows["sample_id"]))
         if missing:
-            raise UserError(f"sample_id(s) not in dataset {args.dataset!r}: {', '.join(missing)}")
+            raise UserError(_not_found(layout, args.dataset, missing, tables.versions))
+    notes = tables.notes()
+    shards = tables.frames[SHARD_MANIFESTS]
+    shown = set(shards["manifest_sha256"]) if shards is not None else set()
+    elsewhere = checkpoints_elsewhere(checkpoints, shown)
+    if elsewhere:
+        notes.append(
+            f"{len(elsewhere)} checkpoint(s) trained on other shard manifests than these, not in "
+            f"the checkpoints column: {', '.join(elsewhere)}"
+        )
+    header = "".join(f"# {line}\n" for line in notes)
     if args.json:
+        sys.stderr.write(header)
         for row in rows.iter_rows(named=True):
             print(json.dumps(row, default=str))
         return
-    # Each stage is read at its latest version; after re-running only some stages, the view
-    # mixes versions, so say which.
-    versions = ", ".join(f"{s} v{t[0] if t else '-'}" for s, t in tables.items())
-    print(f"# latest tables: {versions}\n")
+    print(header)
     for row in rows.iter_rows(named=True):
         print("\n".join(f"{k:>18}: {v}" for k, v in row.items()))
         print()
+
+
+def _not_found(layout: DataLayout, dataset: str, missing: list[str], versions: dict) -> str:
+    """The message for sample ids not in the raw_instructions version read: those a newer
+    version holds are named apart (the chain was not re-run on it yet)."""
+    read = versions[RAW_INSTRUCTIONS]
+    uri = layout.table_uri(RAW_INSTRUCTIONS, dataset)
+    latest = DeltaTable(uri).version()
+    newer = (
+        set(pl.read_delta(uri, version=latest, columns=["sample_id"])["sample_id"]) & set(missing)
+        if latest > read
+        else set()
+    )
+    message = f"sample_id(s) not in dataset {dataset!r}: {', '.join(missing)}"
+    if newer:
+        message += (
+            f" ({', '.join(sorted(newer))} only in raw_instructions v{latest}, newer than the "
+            f"v{read} the latest tables were built from: materialize the stages after "
+            "raw_instructions again, e.g. selection_job, to trace them)"
+        )
+    return message

@@ -40,6 +40,9 @@ INSTRUCTION_SCHEMA = {
     "form": pl.String,
     "source_file": pl.String,
     "source_line": pl.Int64,
+    # The record's 0-based place among those of source_file (records of a one-line JSON array
+    # share source_line); null where source_line alone locates it (python_stdlib).
+    "source_index": pl.Int64,
     # The kept conversation (JSON list of {role, content}) unless the record was one exchange.
     "messages": pl.String,
     # The function schemas (JSON list) the record gives the model; null when it has none.
@@ -221,6 +224,7 @@ def build_instruction_table(
             "form": [s.form for _, s in kept],
             "source_file": [s.source_file for _, s in kept],
             "source_line": [s.source_line for _, s in kept],
+            "source_index": [s.source_index for _, s in kept],
             "messages": [s.messages for _, s in kept],
             "tools": [s.tools for _, s in kept],
         },

@@ -48,8 +48,11 @@ such values in a row), Parquet (any number of shards) or the Arrow files of a Hu
 surrogates and repeated keys are refused at ``file:line:column``); a file that holds no record
 (0 bytes, whitespace, ``[]``, no rows) is refused by name. A ``fields.json`` file in the dataset
 folder renames fields before the forms are matched (``{"question": "instruction", "answer":
-"output"}``). Every sample keeps the file and the 1-based line (Parquet, Arrow: row) it came
-from, so a trained-on sample can be traced back to its source.
+"output"}``), all at once (a chain ``a -> b, b -> c`` is not followed); a record in which two
+fields would end up under one name is refused (:func:`rename_fields`), never one of them
+dropped. Every sample keeps the file, the 1-based line (Parquet, Arrow: row) it came from and
+its 0-based place among the file's records (``source_index``: records of a one-line JSON array
+share a line), so a trained-on sample can be traced back to its source.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ class DatasetFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One normalised instruction sample.
+    r"""One normalised instruction sample.
 
     ``system`` is the system message (``""`` if none); ``prompt`` is the user turn (several
     turns flattened as ``"User: …\n\nAssistant: …"``) and ``response`` the final assistant turn.
@@ -153,9 +156,13 @@ class Sample:
     tools: str | None = None
     dropped_turns: Mapping[str, int] = field(default_factory=dict)
     dropped_fields: Mapping[str, int] = field(default_factory=dict)
+    # 0-based place of the record among those read from source_file: tells apart records
+    # that share a line (a one-line JSON array); None where source_line alone locates it.
+    source_index: int | None = None
 
     @property
     def sample_id(self) -> str:
+        """The content hash (:func:`sample_id`)."""
         return sample_id(self.system, self.prompt, self.response, self.tools)
 
 
@@ -428,26 +435,32 @@ _READ = {
 
 
 def normalise_record(
-    record: object, source_file: str, source_line: int, fields: dict[str, str] | None = None
+    record: object,
+    source_file: str,
+    source_line: int,
+    fields: dict[str, str] | None = None,
+    source_index: int | None = None,
 ) -> Sample:
     """Turn one raw record into a :class:`Sample`. ``fields`` renames keys first
-    (``{"question": "instruction"}``, from the folder's ``fields.json``).
+    (``{"question": "instruction"}``, from the folder's ``fields.json``; :func:`rename_fields`).
+    ``source_index``: the record's 0-based place among those of its file.
 
     Raises:
-        DatasetFormatError: the record is not an object, matches none of :data:`FORMS`, or
-            breaks a chat rule (no user or assistant turn, an assistant turn first, malformed
-            ``tools`` or tool calls); the message gives ``file:line`` and what to do.
+        DatasetFormatError: the record is not an object, matches none of :data:`FORMS`, breaks
+            a chat rule (no user or assistant turn, an assistant turn first, malformed
+            ``tools`` or tool calls), or a rename would overwrite one of its fields; the
+            message gives ``file:line`` and what to do.
     """
     where = f"{source_file}:{source_line}"
     if not isinstance(record, dict):
         raise DatasetFormatError(
             f"{where}: expected a JSON object per sample, got a JSON {json_type(record)}. "
-            "Write each sample as an object (e.g. {\"instruction\": ..., \"output\": ...}), "
+            'Write each sample as an object (e.g. {"instruction": ..., "output": ...}), '
             "or remove the value from the file."
         )
     original = {fields.get(k, k): k for k in record} if fields else {}
     if fields:
-        record = {fields.get(k, k): v for k, v in record.items()}
+        record = rename_fields(record, fields, where)
     dropped: Counter = Counter()
     chat: _Chat | None = None
     if "messages" in record:
@@ -479,7 +492,9 @@ def normalise_record(
             raise DatasetFormatError(
                 f"{where}: the text is empty; remove the record or fill it in."
             )
-        return Sample("", text, "", "text", source_file, source_line, None, None, {}, dropped)
+        return Sample(
+            "", text, "", "text", source_file, source_line, None, None, {}, dropped, source_index
+        )
     system = _text(record.get("system"), "system", where)
     tools = _tools(record, where)
     if form in ("openai", "sharegpt", "prompt_completion_chat"):
@@ -517,7 +532,36 @@ def normalise_record(
         tools,
         chat.dropped_turns if chat else {},
         dict(dropped),
+        source_index,
     )
+
+
+def rename_fields(record: dict, fields: Mapping[str, str], where: str) -> dict:
+    """``record`` with its keys renamed by ``fields`` (``fields.json``), all at once: a chain
+    ``{"a": "b", "b": "c"}`` moves a to b and b to c; a field renamed to itself stays.
+
+    Raises:
+        DatasetFormatError: two of the record's fields would end up under one name (a field
+            renamed onto one the record already has, or two renamed onto one target), which
+            would drop one silently; the message names ``where``, both fields and what to do.
+    """
+    out: dict = {}
+    source: dict[str, str] = {}
+    for key, value in record.items():
+        name = fields.get(key, key)
+        if name in out:
+            first, second = source[name], key
+            renamed = [k for k in (first, second) if k in fields and fields[k] != k]
+            how = " and ".join(f"{k!r} -> {fields[k]!r}" for k in renamed)
+            raise DatasetFormatError(
+                f"{where}: {FIELDS_CONFIG_NAME} renames {how}, but the record has both "
+                f"{first!r} and {second!r}, so one would be lost. Remove one of them from the "
+                f"records, or change {FIELDS_CONFIG_NAME} so that each lands on a field of its "
+                "own (or drop the rename where the records already have the field)."
+            )
+        out[name] = value
+        source[name] = key
+    return out
 
 
 def _hint(path: Path) -> str:
@@ -775,8 +819,8 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
         n = 0
         if empty is None:
             for line, record in iter_file_records(path):
+                yield normalise_record(record, str(path), line, fields, source_index=n)
                 n += 1
-                yield normalise_record(record, str(path), line, fields)
         if n == 0:
             raise DatasetFormatError(
                 f"{path}: holds no records ({empty or 'none read'}); remove the file or put the "

@@ -41,6 +41,7 @@ def _code_sample(name: str, i: int, problem: CodeProblem) -> Sample:
         form=TARGET_FORM,
         source_file=f"{name}:{problem.task_id}",
         source_line=i + 1,
+        source_index=i,
     )
 
 
@@ -61,6 +62,7 @@ def _choice_sample(name: str, i: int, question: dict) -> Sample:
         form=TARGET_FORM,
         source_file=f"{name}:{question.get('topic', '')}",
         source_line=i + 1,
+        source_index=i,
     )
 
 

@@ -36,7 +36,12 @@ from typing import Any
 import polars as pl
 
 from cluster_pipeline.data.datasets import SourceLicense, read_instructions, source_license
-from cluster_pipeline.selection.sharding import ShardManifest, manifests_frame
+from cluster_pipeline.selection.sharding import (
+    ManifestMismatch,
+    ShardManifest,
+    manifests_frame,
+    read_recorded_manifests,
+)
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import TableRef, markdown_table
 
@@ -140,33 +145,18 @@ def _datasets():
 
 def read_manifests(source: ExportSource) -> list[ShardManifest]:
     """The recorded shard manifests, each checked against its content hash and the hash the
-    record names.
+    record names (:func:`~cluster_pipeline.selection.sharding.read_recorded_manifests`, as
+    training's pre-flight checks them).
 
     Raises:
         ExportError: a manifest file is gone, edited, or not the one recorded for its rank.
     """
-    manifests = []
-    for rank, (path, sha) in enumerate(
-        zip(source.manifest_paths, source.manifest_sha256, strict=True)
-    ):
-        try:
-            manifest = ShardManifest.read(Path(path))
-        except FileNotFoundError:
-            raise ExportError(
-                f"the shard manifest of rank {rank} of dataset {source.dataset!r}, {path}, is "
-                "gone; materialize shard_manifests again"
-            ) from None
-        except ValueError as e:  # edited (hash mismatch) or not JSON
-            where = "" if str(path) in str(e) else f"{path}: "
-            raise ExportError(f"{where}{e}; materialize shard_manifests again") from None
-        if manifest.sha256 != sha or manifest.rank != rank:
-            raise ExportError(
-                f"{path} holds rank {manifest.rank}'s manifest {manifest.sha256[:12]}, not the "
-                f"rank {rank} manifest {sha[:12]} recorded by shard_manifests; materialize "
-                "shard_manifests again"
-            )
-        manifests.append(manifest)
-    return manifests
+    try:
+        return read_recorded_manifests(
+            source.manifest_paths, source.manifest_sha256, source.dataset
+        )
+    except ManifestMismatch as e:
+        raise ExportError(str(e)) from None
 
 
 def selection_rows(source: ExportSource, manifests: list[ShardManifest]) -> pl.DataFrame:

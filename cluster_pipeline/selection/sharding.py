@@ -102,19 +102,79 @@ class ShardManifest:
 
     @classmethod
     def read(cls, path: Path) -> ShardManifest:
-        """Load a manifest and verify its content hash.
+        """Load a manifest and verify its content hash (over the ordered sample ids and the
+        weight, so a file reformatted without changing them, e.g. re-indented, still reads).
 
         Raises:
-            ValueError: the stored hash does not match the content (the file was edited).
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a manifest (not JSON, fields missing or unknown), or
+                its stored hash does not match its content (the file was edited); the message
+                names the file and says to materialize shard_manifests again.
         """
-        d = json.loads(Path(path).read_text())
-        stored = d.pop("sha256", None)
-        d.pop("n_samples", None)
-        d["sample_ids"] = tuple(d["sample_ids"])
-        manifest = cls(**d)
+        again = "materialize shard_manifests again"
+        try:
+            d = json.loads(Path(path).read_text())
+            stored = d.pop("sha256", None)
+            d.pop("n_samples", None)
+            d["sample_ids"] = tuple(d["sample_ids"])
+            manifest = cls(**d)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a shard manifest ({e!r}); {again}") from None
         if stored is not None and stored != manifest.sha256:
-            raise ValueError(f"{path}: content hash mismatch; the manifest was modified")
+            raise ValueError(
+                f"{path}: content hash mismatch (stored sha256 {str(stored)[:12]}, content "
+                f"{manifest.sha256[:12]}); the manifest was modified after shard_manifests "
+                f"wrote it; {again}"
+            )
         return manifest
+
+
+def read_recorded_manifests(
+    paths: Sequence[str | Path], sha256: Sequence[str], dataset: str
+) -> list[ShardManifest]:
+    """Each rank's manifest file, checked against the content hash ``shard_manifests``
+    recorded for that rank: what training's pre-flight and the export both read. The hash is
+    of the content (ordered sample ids and weight), so a whitespace-only reformat passes; ids
+    added, removed or reordered, a weight edited, a manifest of another set or dataset copied
+    in, or two ranks' files swapped are refused.
+
+    Args:
+        paths: the manifest files, in rank order (``ShardManifestsRecord.manifest_paths``).
+        sha256: the recorded content hashes, in rank order.
+        dataset: the dataset partition, for the messages.
+
+    Returns:
+        The K manifests, in rank order.
+
+    Raises:
+        ManifestMismatch: a file is gone, unreadable, edited, or not the one recorded for its
+            rank; the message names the file, the expected and found hash prefixes and says to
+            materialize shard_manifests again.
+    """
+    manifests = []
+    for rank, (path, sha) in enumerate(zip(paths, sha256, strict=True)):
+        try:
+            manifest = ShardManifest.read(Path(path))
+        except FileNotFoundError:
+            raise ManifestMismatch(
+                f"the shard manifest of rank {rank} of dataset {dataset!r}, {path}, is gone; "
+                "materialize shard_manifests again"
+            ) from None
+        except ValueError as e:  # edited (hash mismatch) or not a manifest
+            raise ManifestMismatch(str(e)) from None
+        if manifest.sha256 != sha or manifest.rank != rank:
+            raise ManifestMismatch(
+                f"{path} holds rank {manifest.rank}'s manifest {manifest.sha256[:12]}, not the "
+                f"rank {rank} manifest {sha[:12]} recorded by shard_manifests; materialize "
+                "shard_manifests again"
+            )
+        manifests.append(manifest)
+    return manifests
+
+
+class ManifestMismatch(ValueError):
+    """A shard manifest file is not the one ``shard_manifests`` recorded
+    (:func:`read_recorded_manifests`)."""
 
 
 @dataclass(frozen=True)

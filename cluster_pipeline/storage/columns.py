@@ -43,6 +43,10 @@ _INSTRUCTIONS = {
     "form": "Which input form the record was read as (alpaca, sharegpt, openai, ...).",
     "source_file": "The file the sample was read from.",
     "source_line": "1-based line (JSONL, JSON) or row (Parquet, Arrow) in source_file.",
+    "source_index": (
+        "0-based place of the record among those of source_file (tells apart records on one "
+        "line, as in a one-line JSON array); null for python_stdlib."
+    ),
     "messages": "The kept conversation as a JSON list of {role, content}; null for one exchange.",
     "tools": "The function schemas (JSON list) the record gives the model; null when none.",
 }
@@ -119,6 +123,7 @@ COLUMN_DESCRIPTIONS: dict[str, dict[str, str]] = {
         "split": "train or heldout (held-out samples stop after raw_instructions).",
         "source_file": "The file the sample was read from.",
         "source_line": "1-based line or row in source_file.",
+        "source_index": "0-based place of the record among those of source_file.",
         "n_response_tokens": _N_RESPONSE,
         "mean_loss": "Base model's mean loss over the response tokens, nats/token.",
         "skip_reason": "Why the sample was not embedded; null if it was.",

@@ -7,14 +7,15 @@ and Delta time travel shows how a table changed between materializations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import polars as pl
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,28 @@ class CommitGuard(Protocol):
         ...
 
 
-def write_table(frame: pl.DataFrame, uri: str | Path, guard: CommitGuard | None = None) -> TableRef:
+# The commit-info key under which a version records the upstream table versions it was
+# computed from (:func:`write_table`'s ``inputs``), so a reader without the Dagster instance (the
+# ``lineage`` command) reads the same versions the stages did.
+INPUTS_KEY = "cluster_pipeline.inputs"
+
+
+def write_table(
+    frame: pl.DataFrame,
+    uri: str | Path,
+    guard: CommitGuard | None = None,
+    inputs: Mapping[str, TableRef] | None = None,
+) -> TableRef:
     """Overwrite the Delta table at ``uri`` with ``frame`` (a new version; older ones stay
     readable by time travel) and return a reference to the version written.
 
-    ``guard``: the run's guard (``launch/fate.py``), checked just before the commit, so a run
-    that is no longer alive commits no version.
+    Args:
+        frame: the new content.
+        uri: the table's folder.
+        guard: the run's guard (``launch/fate.py``), checked just before the commit, so a run
+            that is no longer alive commits no version.
+        inputs: the upstream table versions, by stage, this version was computed from; kept in
+            the commit's info (:data:`INPUTS_KEY`) and read back by :func:`table_inputs`.
 
     Raises:
         RunGone: from ``guard``; the table is left as it was.
@@ -162,8 +179,25 @@ def write_table(frame: pl.DataFrame, uri: str | Path, guard: CommitGuard | None 
     if guard is not None:
         guard.check(f"commit a new version of the Delta table {uri}")
     Path(uri).mkdir(parents=True, exist_ok=True)
-    frame.write_delta(uri, mode="overwrite", delta_write_options={"schema_mode": "overwrite"})
+    options: dict[str, object] = {"schema_mode": "overwrite"}
+    if inputs is not None:
+        versions = {stage: ref.version for stage, ref in inputs.items()}
+        options["commit_properties"] = CommitProperties(
+            custom_metadata={INPUTS_KEY: json.dumps(versions, sort_keys=True)}
+        )
+    frame.write_delta(uri, mode="overwrite", delta_write_options=options)
     return TableRef(uri, DeltaTable(uri).version())
+
+
+def table_inputs(uri: str | Path, version: int) -> dict[str, int] | None:
+    """The upstream table versions, by stage, that ``version`` of the table at ``uri`` was
+    computed from (what :func:`write_table` was given as ``inputs``), or None where that
+    commit recorded none (written without ``inputs``, or by an older pipeline)."""
+    for commit in DeltaTable(str(uri)).history():
+        if commit.get("version") == version:
+            text = commit.get(INPUTS_KEY)
+            return {k: int(v) for k, v in json.loads(text).items()} if text else None
+    return None
 
 
 def vectors_to_series(name: str, matrix: np.ndarray) -> pl.Series:

@@ -1,6 +1,8 @@
 """What the ``trained_checkpoint`` stage checks and decides before any process starts: that the
 ranks divide over the torchrun agents, that the model fits (memory, LoRA targets), and the
-deterministic folder a run's checkpoint goes to. Dagster-free, so tests call it directly.
+deterministic folder a run's checkpoint goes to. Dagster-free, so tests call it directly. (That
+each rank's manifest file is the one ``shard_manifests`` recorded is checked first, by
+``selection/sharding.read_recorded_manifests``, the function the export uses too.)
 
 The rules about settings (each knob's bounds, rules across stages) are not here: they are
 ``defs/run_checks.py``'s, which the run's executor and each GPU stage apply."""

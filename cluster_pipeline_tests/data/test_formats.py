@@ -3,6 +3,7 @@
 import hashlib
 import json
 from collections import Counter
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -850,3 +851,96 @@ def test_files_the_reader_does_not_read_are_listed(tmp_path):
         "sub/README.md",
         "sub/extra.csv",
     ]
+
+
+def _renamed(tmp_path, fields: dict, record: dict):
+    """The one sample of a folder holding ``record`` (line 2 of a JSONL file) and
+    ``fields.json``."""
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+    (tmp_path / "d.jsonl").write_text("\n" + json.dumps(record) + "\n")
+    [s] = list(read_dataset_folder(tmp_path))
+    return s
+
+
+def test_a_rename_onto_a_field_the_record_has_is_refused(tmp_path):
+    # The trial's case: fields.json {"q": "instruction"} over records that also hold
+    # "instruction"; before, every prompt became "dup" and q was lost without a count.
+    where = f"{tmp_path / 'd.jsonl'}:2"
+    with pytest.raises(DatasetFormatError) as e:
+        _renamed(tmp_path, {"q": "instruction"}, {"q": "Q", "instruction": "dup", "output": "O"})
+    assert str(e.value) == (
+        f"{where}: fields.json renames 'q' -> 'instruction', but the record has both 'q' and "
+        "'instruction', so one would be lost. Remove one of them from the records, or change "
+        "fields.json so that each lands on a field of its own (or drop the rename where the "
+        "records already have the field)."
+    )
+    # The other key order names them in the record's order.
+    with pytest.raises(DatasetFormatError) as e:
+        _renamed(tmp_path, {"q": "instruction"}, {"instruction": "dup", "q": "Q", "output": "O"})
+    assert "renames 'q' -> 'instruction', but the record has both 'instruction' and 'q'" in str(
+        e.value
+    )
+
+
+def test_two_fields_renamed_onto_one_are_refused_only_where_a_record_has_both(tmp_path):
+    fields = {"q": "instruction", "question": "instruction"}
+    with pytest.raises(DatasetFormatError) as e:
+        _renamed(tmp_path, fields, {"q": "A", "question": "B", "output": "O"})
+    assert str(e.value).startswith(
+        f"{tmp_path / 'd.jsonl'}:2: fields.json renames 'q' -> 'instruction' and 'question' -> "
+        "'instruction', but the record has both 'q' and 'question', so one would be lost."
+    )
+    # Files of one folder may name the field differently: each record has one of them.
+    (tmp_path / "d.jsonl").write_text(
+        '{"q": "A", "output": "O"}\n{"question": "B", "output": "P"}\n'
+    )
+    assert [(s.prompt, s.response) for s in read_dataset_folder(tmp_path)] == [
+        ("A", "O"),
+        ("B", "P"),
+    ]
+
+
+def test_a_field_renamed_to_itself_changes_nothing(tmp_path):
+    record = {"instruction": "I", "output": "O", "id": 1}
+    s = _renamed(tmp_path, {"instruction": "instruction"}, record)
+    plain = normalise_record(record, str(tmp_path / "d.jsonl"), 2, source_index=0)
+    assert s == plain
+    assert (s.prompt, s.response, s.dropped_fields) == ("I", "O", {"id": 1})
+
+
+def test_renames_apply_at_once_not_along_a_chain(tmp_path):
+    # a -> b, b -> c: a lands on b and b on c (not a on c), and nothing is lost.
+    s = _renamed(
+        tmp_path,
+        {"q": "instruction", "instruction": "input"},
+        {"q": "Q", "instruction": "I", "output": "O"},
+    )
+    assert (s.form, s.prompt, s.response, s.dropped_fields) == ("alpaca", "Q\n\nI", "O", {})
+    # A chain that ends on a field the record has is a collision like any other.
+    with pytest.raises(DatasetFormatError, match="renames 'instruction' -> 'input', but the"):
+        _renamed(
+            tmp_path,
+            {"q": "instruction", "instruction": "input"},
+            {"q": "Q", "instruction": "I", "input": "X", "output": "O"},
+        )
+
+
+def test_records_sharing_a_line_are_told_apart_by_their_index(tmp_path):
+    one_line = tmp_path / "a.json"
+    one_line.write_text(json.dumps([{"problem": p, "solution": "s"} for p in "xyz"]))
+    (tmp_path / "b.jsonl").write_text(
+        '{"problem": "u", "solution": "s"}\n\n{"problem": "v", "solution": "s"}\n'
+    )
+    got = [
+        (Path(s.source_file).name, s.source_line, s.source_index, s.prompt)
+        for s in read_dataset_folder(tmp_path)
+    ]
+    assert got == [
+        ("a.json", 1, 0, "x"),
+        ("a.json", 1, 1, "y"),
+        ("a.json", 1, 2, "z"),
+        ("b.jsonl", 1, 0, "u"),
+        ("b.jsonl", 3, 1, "v"),
+    ]
+    # json.load(file)[source_index] is the record.
+    assert json.loads(one_line.read_text())[got[1][2]]["problem"] == "y"

@@ -19,7 +19,7 @@ import yaml
 from cluster_pipeline.data.datasets import build_instruction_table, load_samples
 from cluster_pipeline.integrations import hf_datasets
 from cluster_pipeline.integrations.hf_datasets import ExportError, ExportSource, export_selection
-from cluster_pipeline.selection.sharding import ShardManifest, manifests_frame
+from cluster_pipeline.selection.sharding import ShardManifest, content_sha256, manifests_frame
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
 
@@ -204,9 +204,11 @@ def test_manifests_gone_or_edited_and_tables_out_of_step_are_refused(tmp_path):
     rank_1.write_text(json.dumps(edited))
     with pytest.raises(ExportError) as e:
         export_selection(source, tmp_path / "x", raw_dir)
+    reordered = content_sha256(edited["sample_ids"], edited["weight"])
     assert str(e.value) == (
-        f"{rank_1}: content hash mismatch; the manifest was modified; materialize "
-        "shard_manifests again"
+        f"{rank_1}: content hash mismatch (stored sha256 {edited['sha256'][:12]}, content "
+        f"{reordered[:12]}); the manifest was modified after shard_manifests wrote it; "
+        "materialize shard_manifests again"
     )
     rank_1.unlink()
     with pytest.raises(ExportError) as e:

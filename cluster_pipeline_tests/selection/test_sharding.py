@@ -1,5 +1,6 @@
 """Shard manifests: properties over random clusterings (hypothesis) and hashing."""
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -16,7 +17,14 @@ from cluster_pipeline.selection.selectors import (
     run_selector,
     select,
 )
-from cluster_pipeline.selection.sharding import ShardManifest, allocate, check_allocation
+from cluster_pipeline.selection.sharding import (
+    ManifestMismatch,
+    ShardManifest,
+    allocate,
+    check_allocation,
+    content_sha256,
+    read_recorded_manifests,
+)
 
 
 @st.composite
@@ -96,3 +104,96 @@ def test_check_allocation_catches_a_missing_sample():
     broken = [ms[0], ShardManifest("ds", 1, 2, "peripheral", ms[1].weight, 0, ("c", "c"))]
     result = check_allocation(broken, ids, labels, sel, 0)
     assert not result["coverage"][0] and result["equal_shards"][0]
+
+
+def _recorded(tmp_path):
+    """Two ranks' manifests as shard_manifests writes and records them, and a foreign set (of
+    another dataset) with the same shape."""
+    ours = [
+        ShardManifest("ds", 0, 2, "peripheral", 1.25, 0, ("a", "b", "c")),
+        ShardManifest("ds", 1, 2, "peripheral", 0.75, 0, ("d", "e", "f")),
+    ]
+    foreign = [
+        ShardManifest("other", 0, 2, "peripheral", 1.0, 0, ("p", "q", "r")),
+        ShardManifest("other", 1, 2, "peripheral", 1.0, 0, ("s", "t", "u")),
+    ]
+    paths = [m.write(tmp_path / "ours") for m in ours]
+    for m in foreign:
+        m.write(tmp_path / "foreign")
+    return ours, paths, [m.sha256 for m in ours], foreign
+
+
+def test_recorded_manifests_refuse_every_kind_of_tampering(tmp_path):
+    ours, paths, hashes, foreign = _recorded(tmp_path)
+    assert read_recorded_manifests(paths, hashes, "ds") == ours
+    rank_1 = paths[1]
+    saved = rank_1.read_text()
+
+    def refused() -> str:
+        with pytest.raises(ManifestMismatch) as e:
+            read_recorded_manifests(paths, hashes, "ds")
+        rank_1.write_text(saved)
+        return str(e.value)
+
+    # A foreign manifest copied in (its own hash intact): named by file, found and expected.
+    rank_1.write_text((tmp_path / "foreign" / "rank_1.json").read_text())
+    assert refused() == (
+        f"{rank_1} holds rank 1's manifest {foreign[1].sha256[:12]}, not the rank 1 manifest "
+        f"{hashes[1][:12]} recorded by shard_manifests; materialize shard_manifests again"
+    )
+    # Ids removed, the stored hash left as it was: the file's own hash catches it.
+    edited = json.loads(saved)
+    edited["sample_ids"] = edited["sample_ids"][1:]
+    rank_1.write_text(json.dumps(edited))
+    content = content_sha256(("e", "f"), 0.75)
+    assert refused() == (
+        f"{rank_1}: content hash mismatch (stored sha256 {hashes[1][:12]}, content "
+        f"{content[:12]}); the manifest was modified after shard_manifests wrote it; "
+        "materialize shard_manifests again"
+    )
+    # A weight edited with the stored hash updated to match: the recorded hash catches it.
+    edited = json.loads(saved)
+    edited["weight"] = 1.0
+    edited["sha256"] = content_sha256(("d", "e", "f"), 1.0)
+    rank_1.write_text(json.dumps(edited))
+    assert refused() == (
+        f"{rank_1} holds rank 1's manifest {edited['sha256'][:12]}, not the rank 1 manifest "
+        f"{hashes[1][:12]} recorded by shard_manifests; materialize shard_manifests again"
+    )
+    # The stored hash removed and an id changed: still the recorded hash.
+    edited = json.loads(saved)
+    del edited["sha256"]
+    edited["sample_ids"][0] = "x"
+    rank_1.write_text(json.dumps(edited))
+    assert refused().startswith(f"{rank_1} holds rank 1's manifest ")
+    # Deleted.
+    rank_1.unlink()
+    assert refused() == (
+        f"the shard manifest of rank 1 of dataset 'ds', {rank_1}, is gone; materialize "
+        "shard_manifests again"
+    )
+    # Not JSON (truncated).
+    rank_1.write_text(saved[:40])
+    message = refused()
+    assert message.startswith(f"{rank_1}: not a shard manifest (JSONDecodeError(")
+    assert message.endswith("); materialize shard_manifests again")
+    # Two ranks swapped: each file is intact, but not its rank's.
+    paths[0].write_bytes(saved.encode())
+    rank_1.write_text(ours[0].write(tmp_path / "copy").read_text())
+    with pytest.raises(ManifestMismatch) as e:
+        read_recorded_manifests(paths, hashes, "ds")
+    assert str(e.value) == (
+        f"{paths[0]} holds rank 1's manifest {hashes[1][:12]}, not the rank 0 manifest "
+        f"{hashes[0][:12]} recorded by shard_manifests; materialize shard_manifests again"
+    )
+
+
+def test_a_whitespace_only_reformat_is_accepted(tmp_path):
+    # The hash is of the content (ordered ids and weight), not of the file's bytes.
+    ours, paths, hashes, _ = _recorded(tmp_path)
+    for path in paths:
+        path.write_text(json.dumps(json.loads(path.read_text()), indent=4, sort_keys=True))
+    assert read_recorded_manifests(paths, hashes, "ds") == ours
+    compact = json.dumps(json.loads(paths[0].read_text()), separators=(",", ":"))
+    paths[0].write_text(compact)
+    assert read_recorded_manifests(paths, hashes, "ds") == ours

@@ -102,7 +102,12 @@ def balanced_clusters(
         raise dg.Failure(description=f"{dataset}: {e}") from e
     result = streamed.result
     frame, centroids = cluster_frames(streamed)
-    table = write_table(frame, layout.table_uri(BALANCED_CLUSTERS, dataset), guard=storage.guard)
+    table = write_table(
+        frame,
+        layout.table_uri(BALANCED_CLUSTERS, dataset),
+        guard=storage.guard,
+        inputs=embeddings.lineage(),
+    )
     centroids_table = write_table(
         centroids, layout.table_uri(CLUSTER_CENTROIDS, dataset), guard=storage.guard
     )

@@ -250,7 +250,10 @@ def peripheral_subsets(
             pl.Series("score", result.score, dtype=pl.Float64).fill_nan(None),
         )
         table = write_table(
-            frame, storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset), guard=storage.guard
+            frame,
+            storage.layout.table_uri(PERIPHERAL_SUBSETS, dataset),
+            guard=storage.guard,
+            inputs={**clusters.lineage(), **gathered.tables},
         )
         # The selection's cost, not the tracking's (opening the MLflow run takes seconds).
         seconds = time.perf_counter() - start - tracker.seconds

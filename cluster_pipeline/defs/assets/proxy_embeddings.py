@@ -89,7 +89,10 @@ def proxy_embeddings(
     except ValueError as e:
         raise dg.Failure(f"{dataset}: {e} (max_length={settings.max_length})") from e
     table = write_table(
-        result.frame, layout.table_uri(PROXY_EMBEDDINGS, dataset), guard=storage.guard
+        result.frame,
+        layout.table_uri(PROXY_EMBEDDINGS, dataset),
+        guard=storage.guard,
+        inputs=instructions.lineage(),
     )
     _log_outcome(context, result, instructions, settings, time.perf_counter() - start)
     stats = done.stats

@@ -57,7 +57,8 @@ def raw_instructions(
     """One row per distinct sample of the dataset: ``sample_id`` (content hash), ``split``
     (``train`` or ``heldout``), ``system``/``prompt``/``response``, ``messages`` (the kept
     conversation, JSON) and ``tools`` (function schemas, JSON; null when none), and the
-    ``source_file`` and 1-based ``source_line`` it was read from. Duplicates (same content)
+    ``source_file``, 1-based ``source_line`` and 0-based ``source_index`` (its place among the
+    file's records) it was read from. Duplicates (same content)
     keep their first source. Metadata counts the turns and fields the reader did not keep
     (``dropped_turns``, ``dropped_fields``) and names the files of the folder it did not read
     (``files_not_read``: other formats, logged as a warning).

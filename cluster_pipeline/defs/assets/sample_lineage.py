@@ -9,8 +9,14 @@ from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import SampleLineageRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import eager, parents_updated, stage_asset
-from cluster_pipeline.storage.lineage import LINEAGE_STAGES, build_lineage
-from cluster_pipeline.storage.names import SAMPLE_LINEAGE, TRAINED_CHECKPOINT
+from cluster_pipeline.storage.lineage import (
+    LINEAGE_STAGES,
+    build_lineage,
+    checkpoints_elsewhere,
+    latest_versions,
+    version_notes,
+)
+from cluster_pipeline.storage.names import SAMPLE_LINEAGE, SHARD_MANIFESTS, TRAINED_CHECKPOINT
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline.training.checkpointing import checkpoints_by_manifest, list_checkpoints
 
@@ -37,13 +43,15 @@ LINEAGE_CONDITION = (
 def sample_lineage(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
-    """One row per sample of the dataset: ``source_file``/``source_line``, ``sample_id``,
+    """One row per sample of the dataset: ``source_file``/``source_line``/``source_index``,
+    ``sample_id``,
     ``split``, embedding stats (``n_response_tokens`` T, ``mean_loss``, ``skip_reason``),
     ``cluster`` and ``sq_distance``, ``selection_rank``, ``selected``, ``copies``, ``weight``,
     the shard ``rank`` and ``shard_positions``, the manifest's ``manifest_sha256``, and the
     ``checkpoints`` trained on that manifest. Each stage's table is read at the version the
-    latest shard manifests were built from. The same view from a shell:
-    ``cluster-pipeline lineage <dataset> <sample_id>``.
+    latest shard manifests were built from; ``version_notes`` names any stage re-run since (a
+    newer version, not joined) and checkpoints trained on other manifests. The same view from a
+    shell: ``cluster-pipeline lineage <dataset> <sample_id>``.
     """
     dataset, layout = context.partition_key, storage.layout
     start = time.perf_counter()
@@ -51,7 +59,17 @@ def sample_lineage(
     versions = shards.lineage()
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(dataset)))
     frame = build_lineage({stage: versions[stage].read() for stage in LINEAGE_STAGES}, checkpoints)
-    table = write_table(frame, layout.table_uri(SAMPLE_LINEAGE, dataset), guard=storage.guard)
+    table = write_table(
+        frame, layout.table_uri(SAMPLE_LINEAGE, dataset), guard=storage.guard, inputs=versions
+    )
+    notes = version_notes(
+        {stage: versions[stage].version for stage in LINEAGE_STAGES},
+        latest_versions(layout, dataset),
+        SHARD_MANIFESTS,
+    )
+    elsewhere = checkpoints_elsewhere(checkpoints, frame["manifest_sha256"].drop_nulls())
+    if elsewhere:
+        notes.append(f"checkpoints trained on other shard manifests: {', '.join(elsewhere)}")
     record = SampleLineageRecord(
         table=table,
         inputs=versions,
@@ -62,6 +80,7 @@ def sample_lineage(
     return dg.MaterializeResult(
         metadata={
             **record.to_metadata(),
+            "version_notes": dg.MetadataValue.md("\n".join(f"- {n}" for n in notes)),
             **table_display(
                 frame,
                 SAMPLE_LINEAGE,
@@ -69,6 +88,7 @@ def sample_lineage(
                     "sample_id",
                     "source_file",
                     "source_line",
+                    "source_index",
                     "cluster",
                     "selected",
                     "rank",

@@ -65,7 +65,12 @@ def shard_manifests(
     folder = layout.shards_dir(dataset, set_hash)
     paths = [str(m.write(folder)) for m in allocation.manifests]
     shards = manifests_frame(allocation.manifests)
-    table = write_table(shards, layout.table_uri(SHARD_MANIFESTS, dataset), guard=storage.guard)
+    table = write_table(
+        shards,
+        layout.table_uri(SHARD_MANIFESTS, dataset),
+        guard=storage.guard,
+        inputs=subsets.lineage(),
+    )
     seconds = time.perf_counter() - start
     samples = [m.n_samples for m in allocation.manifests]
     context.log.info(

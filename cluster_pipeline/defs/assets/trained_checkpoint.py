@@ -26,6 +26,7 @@ from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.launch.torchrun import RECIPES
+from cluster_pipeline.selection.sharding import read_recorded_manifests
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
     PERIPHERAL_SUBSETS,
@@ -89,6 +90,9 @@ def trained_checkpoint(
     model_path = base_model.local_path(storage)
     recheck_settings(context, storage.layout, model_path, torchrun.agents)  # before any model loads
     try:  # before any process starts
+        # The files the ranks will read must be the ones shard_manifests recorded (a manifest
+        # copied in or edited would otherwise fail only inside torchrun, or train on it).
+        read_recorded_manifests(shards.manifest_paths, shards.manifest_sha256, dataset)
         memory_per_rank = check_training_fits(
             model_path, settings, shards.world_size, torchrun.agents, torchrun.launcher == "slurm"
         )
