@@ -404,7 +404,7 @@ def check_license(
         raise ValueError(f"{at}: 'license' must be a Hub license id, got {value!r}; {forms}")
     unknown = [v for v in ids if v not in HUB_LICENSES]
     if unknown:
-        close = [h for v in unknown for h in HUB_LICENSES if h == v.strip().lower()]
+        close = [h for v in unknown for h in HUB_LICENSES if h == str(v).strip().lower()]
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
             f"{at}: license {unknown[0]!r} is not a license id the Hub accepts{hint}; {forms}"
