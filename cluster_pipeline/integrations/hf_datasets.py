@@ -696,7 +696,10 @@ rank_0 = {load_rank}["train"]  # one split's files
 ```
 
 To publish it on the Hub, upload `README.md`, `data/` and the license file, if any;
-`dataset_dict/` and `export.json` serve this machine.
+`dataset_dict/` and `export.json` serve this machine. `dataset_dict/` and `data/` hold the same
+rows, and `export.json` records the SHA-256 of every file; `ClusterShards.from_export` trains
+from `dataset_dict/` after checking them all. `system` is null where a sample has no system
+prompt.
 
 ## License
 

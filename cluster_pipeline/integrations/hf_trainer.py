@@ -31,7 +31,9 @@ A plain ``transformers`` script uses :class:`ClusterTrainer` in place of ``Train
 (batch x accumulation))`` steps per epoch on every rank; where a rank has fewer micro-batches at
 a step than another, it gets placeholder micro-batches (one padding token, no target), so every
 rank runs the same forward and backward passes. The plan is computed from the sizes of all K
-manifests, the same way on every rank, with no communication.
+manifests, the same way on every rank, with no communication. It is not the packed plan that
+the product trains with by default (``packing: true`` fills micro-batches by tokens, so its steps
+and step count differ); compare a script with a product run made with ``packing: false``.
 
 **The hooks**, chosen from the installed transformers 5.24, accelerate 1.15 and TRL 1.16:
 
