@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -580,20 +581,63 @@ def test_export_errors_name_what_to_do(selected, monkeypatch, capsys, tmp_path):
         "first: web UI Jobs -> selection_job, or `make run DATASET={name}` (main_job runs it "
         "too)\n"
     )
-    assert export("nosuch") == first.format(
-        name="nosuch", why=f"the Dagster instance at {home} has no record of them"
+    error = "cluster-pipeline export: error: "
+    assert export("nosuch") == (
+        f"{error}dataset 'nosuch' is not registered in the Dagster instance at {home} "
+        "(registered: tiny); check the name (`cluster-pipeline datasets` lists the datasets "
+        "found, `cluster-pipeline datasets sync` registers them)\n"
     )
+    assert export("") == (
+        f"{error}the dataset name is empty; give a dataset registered in the Dagster instance at "
+        f"{home} (registered: tiny)\n"
+    )
+    (selected / "data" / "raw" / "newset").mkdir()
+    assert export("newset") == (
+        f"{error}dataset 'newset' is not registered in the Dagster instance at {home} "
+        f"(registered: tiny); its folder {selected / 'data' / 'raw' / 'newset'} exists: "
+        "`cluster-pipeline datasets sync` registers it, then materialize selection_job for it\n"
+    )
+    (selected / "data" / "raw" / "newset").rmdir()
     table = selected / "data" / "tables" / "shard_manifests" / "tiny"
-    (tmp_path / "other_home").mkdir()
-    assert export("tiny", home=tmp_path / "other_home") == first.format(
-        name="tiny",
-        why=f"the Dagster instance at {tmp_path / 'other_home'} has no record of them, though "
-        f"the table {table} exists (set DAGSTER_HOME to the instance that made it, or "
-        "rematerialize)",
+    other = tmp_path / "other_home"
+    other.mkdir()
+    assert export("tiny", home=other) == (
+        f"{error}dataset 'tiny' is not registered in the Dagster instance at {other} (none is "
+        f"registered); its table {table} exists: set DAGSTER_HOME to the Dagster instance that "
+        "made it\n"
     )
     assert export("tiny", home=tmp_path / "gone") == first.format(
         name="tiny", why=f"there is no Dagster instance at {tmp_path / 'gone'}"
     )
+    assert export("", home=tmp_path / "gone") == (
+        f"{error}the dataset name is empty, and there is no Dagster instance at "
+        f"{tmp_path / 'gone'}, so no dataset is registered: `cluster-pipeline datasets sync` "
+        "registers the datasets under data/raw/\n"
+    )
+    assert export("tiny", "--out", "/proc/nope") == (
+        f"{error}--out /proc/nope cannot be created: its parent folder /proc cannot be written "
+        "(No such file or directory); choose a folder you can write with --out\n"
+    )
+
+    # The default folder, data/exports/tiny, exported twice: the user's files there stay and
+    # make the second export refuse.
+    default = selected / "data" / "exports" / "tiny"
+    shutil.rmtree(default, ignore_errors=True)  # an earlier test's export
+    assert export("tiny").startswith(f"exported to {default}: ")
+    (default / "MY_NOTES.txt").write_text("n\n")
+    (default / "mywork").mkdir()
+    (default / "mywork" / "train.py").write_text("x\n")
+    for flags in ((), ("--overwrite",)):
+        assert export("tiny", *flags) == (
+            f"{error}--out {default} holds an export, and besides it 2 path(s) the export did "
+            f"not write or that changed since: MY_NOTES.txt, mywork/. Nothing but the export's "
+            f"own files is replaced, with or without --overwrite: move those out of {default} "
+            "(or delete them), or choose another folder with --out\n"
+        )
+    assert (default / "mywork" / "train.py").read_text() == "x\n"
+    (default / "MY_NOTES.txt").unlink()
+    shutil.rmtree(default / "mywork")
+    assert export("tiny").startswith(f"replaced the export in {default}: ")
 
     out = tmp_path / "export"
     assert export("tiny", "--out", str(out)).startswith(f"exported to {out}: ")
