@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an export of other manifests there (never a folder that is not an export)",
+        help="replace an export of other manifests there (never anything the export did not "
+        "write: other files there make it refuse)",
     )
     parser.add_argument("--data-dir", type=Path, default=Path(default_data_dir()))
 
@@ -48,6 +49,49 @@ def _materialize_first(dataset: str, why: str) -> UserError:
         f"dataset {dataset!r} has no shard manifests to export: {why}. Materialize selection_job "
         f"(raw_instructions -> shard_manifests) for partition {dataset!r} first: web UI Jobs -> "
         f"selection_job, or `make run DATASET={dataset}` (main_job runs it too)"
+    )
+
+
+def check_registered(instance, dataset: str, layout: DataLayout) -> None:
+    """Refuse an empty or unregistered dataset name, listing the registered ones.
+
+    Args:
+        instance: the Dagster instance whose dataset partitions are looked up.
+        dataset: the name given on the command line.
+        layout: the data folder, to say whether the name has a folder or tables there.
+
+    Raises:
+        UserError: the name is empty, or no dataset partition of that name is registered.
+    """
+    from cluster_pipeline.defs.partitions import DATASETS
+
+    known = sorted(instance.get_dynamic_partitions(DATASETS))
+    root = instance.root_directory
+    listed = f"registered: {', '.join(known)}" if known else "none is registered"
+    if not dataset.strip():
+        raise UserError(
+            f"the dataset name is empty; give a dataset registered in the Dagster instance at "
+            f"{root} ({listed})"
+        )
+    if dataset in known:
+        return
+    folder = layout.raw_dir / dataset
+    table = Path(layout.table_uri(SHARD_MANIFESTS, dataset))
+    if table.is_dir():
+        hint = f"its table {table} exists: set DAGSTER_HOME to the Dagster instance that made it"
+    elif folder.is_dir():
+        hint = (
+            f"its folder {folder} exists: `cluster-pipeline datasets sync` registers it, then "
+            "materialize selection_job for it"
+        )
+    else:
+        hint = (
+            "check the name (`cluster-pipeline datasets` lists the datasets found, `cluster-"
+            "pipeline datasets sync` registers them)"
+        )
+    raise UserError(
+        f"dataset {dataset!r} is not registered in the Dagster instance at {root} ({listed}); "
+        f"{hint}"
     )
 
 
@@ -134,10 +178,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     layout = DataLayout.at(args.data_dir)
     home = instance_home()
     if not home.is_dir():
+        if not args.dataset.strip():
+            raise UserError(
+                f"the dataset name is empty, and there is no Dagster instance at {home}, so no "
+                "dataset is registered: `cluster-pipeline datasets sync` registers the datasets "
+                "under data/raw/"
+            )
         raise _materialize_first(args.dataset, f"there is no Dagster instance at {home}")
-    out = args.out if args.out is not None else layout.exports_dir(args.dataset)
     with dg.DagsterInstance.from_config(str(home)) as instance:
+        check_registered(instance, args.dataset, layout)
         source = export_source(instance, args.dataset, layout)
+    out = args.out if args.out is not None else layout.exports_dir(args.dataset)
     try:
         summary = export_selection(source, out, layout.raw_dir, overwrite=args.overwrite)
     except ExportError as e:
@@ -148,6 +199,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         f"{'replaced the export in' if summary.replaced else 'exported to'} {summary.out}: "
         f"{rows} rows; manifest set {source.manifest_set_sha256[:12]}; license: {license}"
     )
+    if summary.left_behind is not None:
+        print(
+            f"note: files that appeared in the earlier export while this one was written are "
+            f"in {summary.left_behind}; move them where you want them"
+        )
     if source.lineage_table is None:
         print(
             "note: sample_lineage was not built from these manifests; materialize it to trace "

@@ -330,17 +330,17 @@ STDLIB_LICENSE = SourceLicense(
 )
 
 
-def _front_matter(card: Path) -> dict:
+def _front_matter(card: Path) -> tuple[dict, dict[str, int]]:
     """The YAML front matter of a Markdown file (between a first line ``---`` and the next line
-    ``---``), or ``{}`` when it has none.
+    ``---``), or ``{}`` when it has none, and the file's 1-based line of each top-level key.
 
     Raises:
         ValueError: the front matter is never closed, is not YAML, or is not a mapping (names
-            the file).
+            the file and, for YAML errors, the line of the file).
     """
     lines = card.read_text(encoding="utf-8-sig").splitlines()
     if not lines or lines[0].strip() != "---":
-        return {}
+        return {}, {}
     end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), None)
     if end is None:
         raise ValueError(
@@ -349,18 +349,82 @@ def _front_matter(card: Path) -> dict:
         )
     import yaml
 
+    text = "\n".join(lines[1:end])
     try:
-        meta = yaml.safe_load("\n".join(lines[1:end]))
+        meta = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
+        # The parser counts from the front matter's first line; the file has '---' above it.
+        for mark in (getattr(e, "context_mark", None), getattr(e, "problem_mark", None)):
+            if mark is not None:
+                mark.line += 1
+                mark.name = str(card)
         raise ValueError(f"{card}: the YAML front matter is not valid YAML: {e}") from None
     if meta is None:
-        return {}
+        return {}, {}
     if not isinstance(meta, dict):
         raise ValueError(
             f"{card}: the YAML front matter must be a mapping (key: value lines), got a "
             f"{type(meta).__name__}"
         )
-    return meta
+    where = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, _ in node.value:
+            where.setdefault(str(key.value), key.start_mark.line + 2)
+    return meta, where
+
+
+def check_license(
+    value: object, name: object, link: object, card: Path, line: int
+) -> str | list[str]:
+    """A card's ``license`` as the Hub accepts it: one of its ids
+    (:data:`~cluster_pipeline.data.licenses.HUB_LICENSES`) or a non-empty list of them, and for
+    ``other`` a ``license_name`` and a ``license_link`` (the Hub asks for both).
+
+    Args:
+        value: the front matter's ``license``.
+        name: its ``license_name`` (None if absent).
+        link: its ``license_link`` (None if absent).
+        card: the card, for the message.
+        line: the file's 1-based line of the ``license:`` key, for the message.
+
+    Returns:
+        ``value``, checked.
+
+    Raises:
+        ValueError: anything else; names the file and line and the accepted forms.
+    """
+    from cluster_pipeline.data.licenses import HUB_LICENSES
+
+    at = f"{card}, line {line}"
+    forms = (
+        "write a Hub license id (e.g. mit, apache-2.0, cc-by-4.0; the Hub's list is in "
+        "cluster_pipeline/data/licenses.py), a list of them, or `license: other` with "
+        "`license_name:` (an id of your own, e.g. acme-1.0) and `license_link:` (a URL, or a "
+        "file of the dataset folder such as LICENSE)"
+    )
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(v, str) for v in ids):
+        raise ValueError(f"{at}: 'license' must be a Hub license id, got {value!r}; {forms}")
+    unknown = [v for v in ids if v not in HUB_LICENSES]
+    if unknown:
+        close = [h for v in unknown for h in HUB_LICENSES if h == str(v).strip().lower()]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{at}: license {unknown[0]!r} is not a license id the Hub accepts{hint}; {forms}"
+        )
+    if "other" in ids:
+        lacking = [
+            key
+            for key, v in (("license_name", name), ("license_link", link))
+            if not isinstance(v, str) or not v.strip()
+        ]
+        if lacking:
+            raise ValueError(
+                f"{at}: `license: other` needs {' and '.join(lacking)} beside it (the Hub "
+                f"refuses it without them); {forms}"
+            )
+    return value  # type: ignore[return-value]  # checked: str or list[str]
 
 
 def source_license(dataset: str, raw_dir: Path) -> SourceLicense | None:
@@ -369,8 +433,8 @@ def source_license(dataset: str, raw_dir: Path) -> SourceLicense | None:
     The rule (docs/design.md, "Reading datasets"), first match wins:
 
     1. ``raw_dir/<dataset>/README.md`` whose YAML front matter has ``license:``, a Hub license
-       id (``mit``, ``cc-by-4.0``, ``other``) or a list of them: that value, with the front
-       matter's ``license_name`` and ``license_link``.
+       id (``mit``, ``cc-by-4.0``, ``other``) or a list of them (:func:`check_license`): that
+       value, with the front matter's ``license_name`` and ``license_link``.
     2. A license file ``LICENSE``, ``LICENSE.md`` or ``LICENSE.txt`` in the folder: ``license:
        other``, ``license_name: <dataset>-license`` (lower case, ASCII), ``license_link`` the
        file.
@@ -383,26 +447,18 @@ def source_license(dataset: str, raw_dir: Path) -> SourceLicense | None:
     (:func:`~cluster_pipeline.data.formats.ignored_files`).
 
     Raises:
-        ValueError: the card's front matter is malformed, or its ``license`` is not a string or
-            a list of strings (names the file).
+        ValueError: the card's front matter is malformed, or its ``license`` is not one the
+            Hub accepts (:func:`check_license`); names the file and line.
     """
     if dataset == STDLIB_DATASET:
         return STDLIB_LICENSE
     folder = raw_dir / dataset
     card = folder / CARD_NAME
-    meta = _front_matter(card) if card.is_file() else {}
+    meta, lines = _front_matter(card) if card.is_file() else ({}, {})
     license_file = next((folder / n for n in LICENSE_NAMES if (folder / n).is_file()), None)
     if meta.get("license") is not None:
-        value = meta["license"]
-        ok = isinstance(value, str) or (
-            isinstance(value, list) and value and all(isinstance(v, str) for v in value)
-        )
-        if not ok:
-            raise ValueError(
-                f"{card}: 'license' must be a Hub license id (e.g. mit, cc-by-4.0, other) or a "
-                f"list of them, got {value!r}"
-            )
         name, link = meta.get("license_name"), meta.get("license_link")
+        value = check_license(meta["license"], name, link, card, lines.get("license", 2))
         linked = folder / str(link) if link else None
         if (
             linked is not None

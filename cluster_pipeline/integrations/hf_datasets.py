@@ -8,7 +8,9 @@ An export is one folder (default ``data/exports/<dataset>/``, :meth:`DataLayout.
     data/<split>-00000-of-00001.parquet     the Hub's Parquet layout: one config, a split each
     dataset_dict/                           ``DatasetDict.save_to_disk`` (``load_from_disk``)
     LICENSE                                 the source's license file, where it has one
-    export.json                             what was exported: dataset, manifests, table versions
+    export.json                             the marker: ``"exporter": "cluster-pipeline export"``,
+                                            what was exported (dataset, manifests, table versions)
+                                            and every file above with its SHA-256
 
 Splits: ``rank_<c>``, rank c's shard in manifest order (the order rank c trains in), and
 ``train``, every shard entry, rank by rank: the subset as trained, a sample selected with copies
@@ -16,18 +18,31 @@ Splits: ``rank_<c>``, rank c's shard in manifest order (the order rank c trains 
 ``rank``, ``position`` and the rank's loss ``weight`` w_c, its ``cluster``, the sample as the
 ``raw_instructions`` table stores it (``system``, ``prompt``, ``response``, ``messages`` and
 ``tools`` as JSON text, ``form``), its ``source_file`` and ``source_line``, and the manifest's
-``manifest_sha256``. Everything is read at the table versions the manifests were built from.
+``manifest_sha256``; ``system`` is null where the sample has no system prompt. Everything is
+read at the table versions the manifests were built from. ``dataset_dict/`` and ``data/`` hold
+the same rows; ``export.json``'s hashes pin both, and :func:`verify_export` (what
+``ClusterShards.from_export`` calls before it reads ``dataset_dict/``) refuses a folder where
+either changed.
 
-The folder is written beside its destination and renamed into place, so an export that fails
-leaves the earlier one as it was.
+A folder is an export only if its ``export.json`` carries this exporter's marker and lists the
+files it wrote (:func:`read_export_record`). Nothing else is ever deleted: a destination holding
+any other file, or a listed file changed since, is refused (:func:`check_destination`), with
+or without ``overwrite``. The new export is written to a fresh folder beside the destination and
+swapped in with one ``renameat2(RENAME_EXCHANGE)`` (two renames where the file system lacks it);
+only then are the files the earlier export listed deleted, so an export that fails leaves the
+earlier one byte for byte as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +67,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "position": ("int64", "0-based position in that rank's shard: the order it trains in"),
     "weight": ("float64", "the rank's loss weight w_c (docs/design.md, step 5)"),
     "cluster": ("int64", "the sample's balanced cluster (balanced_clusters)"),
-    "system": ("string", "system prompt, or null"),
+    "system": ("string", "the system prompt; null where the sample has none"),
     "prompt": ("string", "the normalised prompt"),
     "response": ("string", "the normalised response"),
     "messages": ("string", "the kept conversation as JSON, or null for one exchange"),
@@ -78,13 +93,20 @@ DATASET_DICT = "dataset_dict"
 DATA_DIR = "data"
 CARD = "README.md"
 IDENTITY = "export.json"
+# The marker that makes a folder an export: export.json's "exporter", and the version of its
+# layout ("format"; 2 lists every file with its SHA-256).
+EXPORTER = "cluster-pipeline export"
+EXPORT_FORMAT = 2
 # The Hub's default Parquet shard size (datasets.config.MAX_SHARD_SIZE, "500MB").
 MAX_SHARD_BYTES = 500_000_000
+# How many paths a refusal names before it counts the rest.
+_NAMED = 5
 
 
-class ExportError(Exception):
-    """An export that cannot be made as asked (a destination holding something else, manifests
-    gone or edited, tables out of step): the message says what and what to do."""
+class ExportError(ValueError):
+    """An export that cannot be made or read as asked (a destination holding something else,
+    manifests gone or edited, tables out of step, an export folder damaged): the message names
+    the file and says what to do."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +145,15 @@ class ExportSource:
 class ExportSummary:
     """What :func:`export_selection` wrote: the folder, rows per split (``train`` first, then
     the ranks), the Parquet files (relative to the folder), the license it carried (None: none
-    declared) and whether it replaced an earlier export."""
+    declared), whether it replaced an earlier export, and where files that appeared in the
+    earlier export while the new one was written were left (None: nothing was)."""
 
     out: Path
     rows: dict[str, int]
     parquet_files: list[str]
     license: SourceLicense | None
     replaced: bool = False
+    left_behind: Path | None = None
 
 
 def _datasets():
@@ -190,6 +214,8 @@ def selection_rows(source: ExportSource, manifests: list[ShardManifest]) -> pl.D
         shards.join(samples, on="sample_id", how="left")
         .join(clusters, on="sample_id", how="left")
         .sort("rank", "position")
+        # raw_instructions stores "" for "no system prompt"; the export says null (FEATURES).
+        .with_columns(pl.when(pl.col("system") != "").then(pl.col("system")).alias("system"))
     )
     return rows.select([pl.col(name).cast(_POLARS[dtype]) for name, (dtype, _) in FEATURES.items()])
 
@@ -203,8 +229,8 @@ def split_rows(rows: pl.DataFrame, world_size: int) -> dict[str, pl.DataFrame]:
 
 
 def export_identity(source: ExportSource) -> dict[str, Any]:
-    """What names an export (``export.json``): two exports are the same when dataset and
-    manifest set are."""
+    """What names an export (``export.json``, beside the marker and the file list): two exports
+    are the same when dataset and manifest set are."""
     return {
         "dataset": source.dataset,
         "manifest_set_sha256": source.manifest_set_sha256,
@@ -213,44 +239,249 @@ def export_identity(source: ExportSource) -> dict[str, Any]:
     }
 
 
-def check_destination(out: Path, source: ExportSource, overwrite: bool) -> bool:
-    """Whether ``out`` may receive this export; True if it holds an earlier one (replaced).
+@dataclass(frozen=True)
+class ExportRecord:
+    """An export folder's ``export.json``, checked: the marker was this exporter's.
 
-    A missing or empty folder, or an export of the same dataset and manifest set, may be
-    written; an export of anything else only with ``overwrite``; anything else never.
+    ``files``: every file the export wrote (path relative to the folder, ``/``-separated) ->
+    its SHA-256 (hex), ``export.json`` itself excepted; ``splits``: rows per split.
+    """
+
+    path: Path
+    dataset: str
+    manifest_set_sha256: str
+    manifest_sha256: list[str]
+    splits: dict[str, int]
+    files: dict[str, str]
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _safe_relative(name: str) -> bool:
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def read_export_record(folder: Path) -> ExportRecord:
+    """The checked ``export.json`` of ``folder``.
+
+    An ``export.json`` is this exporter's when it is a JSON object with ``"exporter":``
+    :data:`EXPORTER`, ``"format":`` :data:`EXPORT_FORMAT` and well-typed ``dataset``,
+    ``manifest_set_sha256``, ``manifest_sha256`` (list), ``splits`` (name -> rows) and ``files``
+    (relative path -> SHA-256, none leaving the folder).
 
     Raises:
-        ExportError: ``out`` is a file, a folder that is not an export, or (without
-            ``overwrite``) a different export.
+        ExportError: the file is missing, not JSON (names line and column), not this exporter's
+            (another tool's, or an export of an older cluster-pipeline without a file list), or
+            lacks a key; the message names the file and the key.
+    """
+    path = folder / IDENTITY
+    if not path.is_file():
+        raise ExportError(f"{folder} holds no {IDENTITY}, so it is not an export")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ExportError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(
+            f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+        ) from None
+    if not isinstance(data, dict) or data.get("exporter") != EXPORTER:
+        raise ExportError(f'{path} has no "exporter": "{EXPORTER}", so it is not an export')
+    if data.get("format") != EXPORT_FORMAT:
+        raise ExportError(
+            f"{path} is format {data.get('format')!r}, not {EXPORT_FORMAT} (the one this "
+            "cluster-pipeline writes and reads)"
+        )
+    checks = {
+        "dataset": lambda v: isinstance(v, str),
+        "manifest_set_sha256": lambda v: isinstance(v, str),
+        "manifest_sha256": lambda v: _is_str_list(v) and len(v) > 0,
+        "splits": lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in v.values())
+        ),
+        "files": lambda v: (
+            isinstance(v, dict)
+            and all(_safe_relative(k) and isinstance(h, str) for k, h in v.items())
+        ),
+    }
+    for key, ok in checks.items():
+        if key not in data:
+            raise ExportError(f'{path} lacks the key "{key}"')
+        if not ok(data[key]):
+            raise ExportError(f'{path}: "{key}" is malformed ({str(data[key])[:80]})')
+    return ExportRecord(
+        path=path,
+        dataset=data["dataset"],
+        manifest_set_sha256=data["manifest_set_sha256"],
+        manifest_sha256=list(data["manifest_sha256"]),
+        splits=dict(data["splits"]),
+        files=dict(data["files"]),
+    )
+
+
+def _entries(folder: Path) -> tuple[set[str], set[str]]:
+    """Everything under ``folder``, symlinks not followed: (files: regular files, symlinks and
+    anything else that is not a folder; folders), as ``/``-separated relative paths."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    stack = [("", folder)]
+    while stack:
+        prefix, here = stack.pop()
+        with os.scandir(here) as it:
+            for entry in it:
+                rel = f"{prefix}{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    dirs.add(rel)
+                    stack.append((f"{rel}/", Path(entry.path)))
+                else:
+                    files.add(rel)
+    return files, dirs
+
+
+def _listed_and_unchanged(folder: Path, record: ExportRecord) -> tuple[list[str], list[str]]:
+    """(listed files that are gone, listed files that are not the regular file with the bytes
+    the export wrote)."""
+    gone, changed = [], []
+    for rel, sha in record.files.items():
+        path = folder / rel
+        if not path.exists() and not path.is_symlink():
+            gone.append(rel)
+        elif path.is_symlink() or not path.is_file() or file_sha256(path) != sha:
+            changed.append(rel)
+    return gone, changed
+
+
+def _some(paths: list[str]) -> str:
+    named = ", ".join(sorted(paths)[:_NAMED])
+    more = len(paths) - _NAMED
+    return f"{named} and {more} more" if more > 0 else named
+
+
+def foreign_paths(folder: Path, record: ExportRecord) -> list[str]:
+    """What in ``folder`` the export did not write, or changed since: files and symlinks it
+    does not list, listed files whose bytes differ or that became a symlink or folder, and
+    folders that hold no listed file (a folder is named once, with a trailing ``/``, not its
+    contents). ``export.json`` is the export's."""
+    files, dirs = _entries(folder)
+    _, changed = _listed_and_unchanged(folder, record)
+    ours = {IDENTITY} | (set(record.files) - set(changed))
+    ours_dirs = {"/".join(p.split("/")[:i]) for p in ours for i in range(1, p.count("/") + 1)}
+    foreign_dirs = sorted(d for d in dirs if d not in ours_dirs)
+    tops = [d for d in foreign_dirs if not any(d.startswith(f"{o}/") for o in foreign_dirs)]
+
+    def inside(p: str) -> bool:
+        return any(p.startswith(f"{d}/") for d in tops)
+
+    return sorted(
+        [f"{d}/" for d in tops]
+        + [f for f in files if f not in ours and not inside(f)]
+        + [c for c in changed if (folder / c).is_dir() and not inside(c) and f"{c}/" not in tops]
+    )
+
+
+def check_destination(out: Path, source: ExportSource, overwrite: bool) -> ExportRecord | None:
+    """Whether ``out`` may receive this export; the earlier export's record if it holds one
+    (it is replaced), None if ``out`` is missing or empty.
+
+    ``out`` may be written when it is missing or empty, or when it is an export
+    (:func:`read_export_record`) holding only the files it lists, unchanged: of the same dataset
+    and manifest set, or of others with ``overwrite``. Anything else is refused with or without
+    ``overwrite``, naming a few of the files and what to do.
+
+    Raises:
+        ExportError: ``out`` is a file, a folder that is not an export, an export holding files
+            it did not write (or changed since), or (without ``overwrite``) a different export.
     """
     if not out.exists():
-        return False
+        return None
     if not out.is_dir():
-        raise ExportError(f"{out} is a file; choose a folder with --out")
+        raise ExportError(f"--out {out} is a file; choose a folder with --out")
     if not any(out.iterdir()):
-        return False
-    identity = out / IDENTITY
-    if not identity.is_file():
-        raise ExportError(
-            f"{out} is not empty and holds no {IDENTITY}, so it is not an export; choose a new "
-            "or empty folder with --out (--overwrite replaces only an earlier export)"
-        )
+        return None
     try:
-        earlier = json.loads(identity.read_text())
-        same = (earlier["dataset"], earlier["manifest_set_sha256"]) == (
-            source.dataset,
-            source.manifest_set_sha256,
+        record = read_export_record(out)
+    except ExportError as e:
+        tops = [
+            f"{p.name}/" if p.is_dir() and not p.is_symlink() else p.name for p in out.iterdir()
+        ]
+        raise ExportError(
+            f"{e}; --out {out} is not empty, and what it holds ({_some(tops)}) is not this "
+            f"command's to replace, with or without --overwrite: move those out of {out}, or "
+            "choose a new or empty folder with --out"
+        ) from None
+    foreign = foreign_paths(out, record)
+    if foreign:
+        raise ExportError(
+            f"--out {out} holds an export, and besides it {len(foreign)} path(s) the export did "
+            f"not write or that changed since: {_some(foreign)}. Nothing but the export's own "
+            f"files is replaced, with or without --overwrite: move those out of {out} (or "
+            "delete them), or choose another folder with --out"
         )
-        what = f"dataset {earlier['dataset']!r}, manifest set {earlier['manifest_set_sha256'][:12]}"
-    except (ValueError, KeyError, TypeError):
-        same, what = False, f"an unreadable {IDENTITY}"
+    same = (record.dataset, record.manifest_set_sha256) == (
+        source.dataset,
+        source.manifest_set_sha256,
+    )
     if not same and not overwrite:
         raise ExportError(
-            f"{out} holds another export ({what}), not dataset {source.dataset!r} manifest set "
+            f"{out} holds another export (dataset {record.dataset!r}, manifest set "
+            f"{record.manifest_set_sha256[:12]}), not dataset {source.dataset!r} manifest set "
             f"{source.manifest_set_sha256[:12]}; pass --overwrite to replace it, or --out "
             "another folder"
         )
-    return True
+    return record
+
+
+def verify_export(folder: str | Path) -> ExportRecord:
+    """The record of the export in ``folder``, after checking that every file it lists is
+    there with the bytes the export wrote (``dataset_dict/`` and the Parquet files alike, so
+    the two cannot drift apart unnoticed).
+
+    Raises:
+        ExportError: ``folder`` is not an export (:func:`read_export_record`), or a listed file
+            is gone or changed; the message names the files and says to export again.
+    """
+    folder = Path(folder)
+    redo = f"export it again: `cluster-pipeline export <dataset> --out {folder}`"
+    try:
+        record = read_export_record(folder)
+    except ExportError as e:
+        raise ExportError(f"{e}: {redo}") from None
+    gone, changed = _listed_and_unchanged(folder, record)
+    redo = redo.replace("<dataset>", record.dataset)
+    if gone:
+        # A folder gone whole is named as the folder (its highest missing one), not file by file.
+        named: list[str] = []
+        for g in gone:
+            parts = g.split("/")
+            i = next(
+                i for i in range(1, len(parts) + 1) if not (folder / "/".join(parts[:i])).exists()
+            )
+            name = "/".join(parts[:i]) + ("/" if i < len(parts) else "")
+            if name not in named:
+                named.append(name)
+        raise ExportError(
+            f"{folder}: {_some(named)}, listed in {record.path}, "
+            f"{'is' if len(named) == 1 else 'are'} gone; the export is incomplete: {redo}"
+        )
+    if changed:
+        raise ExportError(
+            f"{folder}: {len(changed)} file(s) changed since the export wrote them "
+            f"({_some(changed)}: their SHA-256 is not the one {record.path} records); {redo}"
+        )
+    return record
 
 
 @contextlib.contextmanager
@@ -455,7 +686,10 @@ rank_0 = {load_rank}["train"]  # one split's files
 ```
 
 To publish it on the Hub, upload `README.md`, `data/` and the license file, if any;
-`dataset_dict/` and `export.json` serve this machine.
+`dataset_dict/` and `export.json` serve this machine. `dataset_dict/` and `data/` hold the same
+rows, and `export.json` records the SHA-256 of every file; `ClusterShards.from_export` trains
+from `dataset_dict/` after checking them all. `system` is null where a sample has no system
+prompt.
 
 ## License
 
@@ -463,20 +697,97 @@ To publish it on the Hub, upload `README.md`, `data/` and the license file, if a
 """
 
 
+# renameat2's flag that swaps two paths in one step (linux/fs.h); AT_FDCWD: paths as given.
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders at ``a`` and ``b`` in one step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the C library or the file system lacks it.
+
+    Raises:
+        OSError: the swap was refused for another reason (permissions, a mount point).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an earlier ``out`` is set aside first, restored if the rename
-    fails, and deleted once the new folder is in place."""
+    """Put the folder ``tmp`` at ``out``; an earlier ``out`` ends up at ``tmp``. One atomic
+    exchange where the system has it; else ``out`` is renamed aside, ``tmp`` into place, and
+    the earlier folder renamed back if that fails."""
     if not out.exists():
         tmp.rename(out)
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
+    if _exchange(tmp, out):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    aside.rmdir()
+    out.rename(aside)
     try:
         tmp.rename(out)
     except BaseException:
-        old.rename(out)
+        aside.rename(out)
         raise
-    shutil.rmtree(old)
+    aside.rename(tmp)
+
+
+def _remove_listed(folder: Path, listed: list[str]) -> list[str]:
+    """Delete the files ``listed`` (relative paths) in ``folder``, then the folders left empty,
+    ``folder`` last; returns what stayed (anything not listed, e.g. a file that appeared while
+    the export was written)."""
+    for rel in listed:
+        path = folder / rel
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    _, dirs = _entries(folder)
+    for d in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
+        with contextlib.suppress(OSError):
+            (folder / d).rmdir()  # only if empty
+    files, dirs = _entries(folder)
+    if not files and not dirs:
+        folder.rmdir()
+        return []
+    return sorted(files | dirs)
+
+
+def _make_tmp(out: Path) -> Path:
+    """A new, empty folder beside ``out`` (``.<name>.tmp-<random>``) to write the export in.
+
+    Raises:
+        ExportError: ``out``'s parent cannot be created or written; names ``--out``.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        umask = os.umask(0o022)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would become the export's mode
+        return tmp
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ExportError(
+            f"--out {out} cannot be created: its parent folder {out.parent} cannot be "
+            f"{'created' if not out.parent.is_dir() else 'written'} ({why}); choose a folder "
+            "you can write with --out"
+        ) from None
 
 
 def export_selection(
@@ -486,31 +797,31 @@ def export_selection(
 
     Args:
         source: the manifests and facts to export (the CLI reads them from the Dagster records).
-        out: the export folder; its parent is created.
+        out: the export folder (a symlink to a folder: that folder); its parent is created.
         raw_dir: the data folder's ``raw/``, where the source's license is declared
             (:func:`~cluster_pipeline.data.datasets.source_license`).
-        overwrite: replace an export of other manifests (never a folder that is not an export).
+        overwrite: replace an export of other manifests (never anything else: see
+            :func:`check_destination`).
 
     Raises:
-        ExportError: the destination may not be written (:func:`check_destination`), the
-            manifests are gone or edited, or the tables lack their samples; ``out`` is left as
-            it was; or the source folder's card declares its license in a malformed way.
+        ExportError: the destination may not be written (:func:`check_destination`) or
+            created, the manifests are gone or edited, the tables lack their samples, the
+            source folder's card declares its license in a malformed way, or writing failed
+            (disk full); in every case ``out`` is left as it was.
     """
     out = Path(out).absolute()
-    replaced = check_destination(out, source, overwrite)
+    if out.is_symlink():
+        out = out.resolve()  # write where the link points; the link stays
+    earlier = check_destination(out, source, overwrite)
     manifests = read_manifests(source)
     try:
         license = source_license(source.dataset, raw_dir)
     except ValueError as e:
         raise ExportError(str(e)) from None
     frames = split_rows(selection_rows(source, manifests), len(manifests))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = _make_tmp(out)
     try:
-        splits, files = _write_splits(frames, tmp)
+        splits, _ = _write_splits(frames, tmp)
         if license is not None and license.file is not None:
             shutil.copyfile(license.file, tmp / license.file.name)
         import yaml
@@ -520,16 +831,35 @@ def export_selection(
         )
         body = card_body(source, manifests, splits, license)
         (tmp / CARD).write_text(f"---\n{header}---\n\n{body}", encoding="utf-8")
-        identity = {**export_identity(source), "splits": {n: s["rows"] for n, s in splits.items()}}
+        written, _ = _entries(tmp)
+        identity = {
+            "exporter": EXPORTER,
+            "format": EXPORT_FORMAT,
+            **export_identity(source),
+            "splits": {n: s["rows"] for n, s in splits.items()},
+            "files": {rel: file_sha256(tmp / rel) for rel in sorted(written)},
+        }
         (tmp / IDENTITY).write_text(json.dumps(identity, indent=1) + "\n")
+        # The destination again, just before the swap: a file put there meanwhile is refused.
+        earlier = check_destination(out, source, overwrite)
         _swap_in(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ExportError(
+                f"writing the export to --out {out} failed ({e}); the folder is as it was. "
+                "Free space or fix the cause, then export again, or choose another --out"
+            ) from e
         raise
+    left: list[str] = []
+    if out.exists() and tmp.exists():  # the earlier folder, now at tmp
+        listed = [IDENTITY, *earlier.files] if earlier is not None else []
+        left = _remove_listed(tmp, listed)
     return ExportSummary(
         out=out,
         rows={n: s["rows"] for n, s in splits.items()},
-        parquet_files=files,
+        parquet_files=sorted(f for f in identity["files"] if f.startswith(f"{DATA_DIR}/")),
         license=license,
-        replaced=replaced,
+        replaced=earlier is not None,
+        left_behind=tmp if left else None,
     )

@@ -31,7 +31,9 @@ A plain ``transformers`` script uses :class:`ClusterTrainer` in place of ``Train
 (batch x accumulation))`` steps per epoch on every rank; where a rank has fewer micro-batches at
 a step than another, it gets placeholder micro-batches (one padding token, no target), so every
 rank runs the same forward and backward passes. The plan is computed from the sizes of all K
-manifests, the same way on every rank, with no communication.
+manifests, the same way on every rank, with no communication. It is not the packed plan that
+the product trains with by default (``packing: true`` fills micro-batches by tokens, so its steps
+and step count differ); compare a script with a product run made with ``packing: false``.
 
 **The hooks**, chosen from the installed transformers 5.24, accelerate 1.15 and TRL 1.16:
 
@@ -71,7 +73,6 @@ tokens TRL's.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -84,10 +85,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
-from cluster_pipeline.data.formats import conversation
+from cluster_pipeline.data.formats import conversation, sample_id
 from cluster_pipeline.data.packing import IGNORE_INDEX
 from cluster_pipeline.data.tokenization import SequenceSettings, encode_rows
-from cluster_pipeline.integrations.hf_datasets import DATASET_DICT, IDENTITY
+from cluster_pipeline.integrations.hf_datasets import DATASET_DICT, ExportError, verify_export
 from cluster_pipeline.selection.sharding import ShardManifest, content_sha256
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 from cluster_pipeline.training.plan import plan_padded
@@ -163,25 +164,38 @@ class ClusterShards:
     @classmethod
     def from_export(cls, folder: str | Path) -> ClusterShards:
         """The shards and samples of an export (``cluster-pipeline export``: its ``rank_<c>``
-        splits, in position order), each rank checked against the manifest hash the export
-        recorded.
+        splits of ``dataset_dict/``, in position order), checked before use: every file the
+        export wrote (``dataset_dict/`` and the Parquet files alike) has the SHA-256 that
+        ``export.json`` records (:func:`~cluster_pipeline.integrations.hf_datasets.
+        verify_export`), each rank's ids and weight hash to the manifest the export recorded,
+        and each row's text hashes to its ``sample_id`` (:func:`~cluster_pipeline.data.formats.
+        sample_id`). ``dataset_dict/`` is what is read; the Parquet files are checked to be the
+        ones exported with it.
 
         Raises:
-            ValueError: ``folder`` is not an export, or a rank's split no longer hashes to the
-                manifest the export recorded (it was edited).
+            ValueError (``ExportError``): ``folder`` is not an export, its ``export.json`` is
+                not valid JSON or lacks a key, ``dataset_dict/`` or a split is missing, a file
+                changed since the export, a rank's split no longer hashes to its manifest, or a
+                row's text is not its sample's; each message names the file and says to export
+                again.
         """
         import datasets
 
         folder = Path(folder)
-        identity = folder / IDENTITY
-        if not identity.is_file():
-            raise ValueError(
-                f"{folder} holds no {IDENTITY}, so it is not an export: run `cluster-pipeline "
-                "export <dataset> --out <folder>` first"
+        record = verify_export(folder)
+        redo = f"export it again: `cluster-pipeline export {record.dataset} --out {folder}`"
+        where = folder / DATASET_DICT
+        try:
+            splits = datasets.load_from_disk(str(where))
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise ExportError(f"{where} cannot be read as a DatasetDict ({e}); {redo}") from None
+        hashes = record.manifest_sha256
+        missing = [f"rank_{c}" for c in range(len(hashes)) if f"rank_{c}" not in splits]
+        if not isinstance(splits, datasets.DatasetDict) or missing:
+            raise ExportError(
+                f"{where} lacks the split(s) {', '.join(missing) or 'rank_0'} that {record.path} "
+                f"records ({len(hashes)} ranks); {redo}"
             )
-        hashes = json.loads(identity.read_text())["manifest_sha256"]
-        splits = datasets.load_from_disk(str(folder / DATASET_DICT))
-        assert isinstance(splits, datasets.DatasetDict)
         ranks, frames = [], []
         for c, sha in enumerate(hashes):
             frame = splits[f"rank_{c}"].to_polars()
@@ -190,10 +204,20 @@ class ClusterShards:
             weights = frame["weight"].unique().to_list()
             shard = RankShard(c, float(weights[0]), tuple(frame["sample_id"].to_list()), sha)
             if len(weights) != 1 or content_sha256(shard.sample_ids, shard.weight) != sha:
-                raise ValueError(
-                    f"{folder / DATASET_DICT} split rank_{c} does not hash to the manifest "
-                    f"{sha[:12]} that {identity} records (edited?): export again"
+                raise ExportError(
+                    f"{where} split rank_{c} does not hash to the manifest {sha[:12]} that "
+                    f"{record.path} records (edited?); {redo}"
                 )
+            # The export writes null for "no system prompt"; the product's text is "".
+            frame = frame.with_columns(pl.col("system").fill_null(""))
+            for row in frame.iter_rows(named=True):
+                text_id = sample_id(row["system"], row["prompt"], row["response"], row["tools"])
+                if text_id != row["sample_id"]:
+                    raise ExportError(
+                        f"{where} split rank_{c}, position {row['position']}: the text of sample "
+                        f"{row['sample_id']} hashes to {text_id} (its system, prompt, response or "
+                        f"tools were edited); {redo}"
+                    )
             ranks.append(shard)
             frames.append(frame.select(SAMPLE_COLUMNS))
         rows = pl.concat(frames).unique("sample_id", keep="first", maintain_order=True)

@@ -371,13 +371,43 @@ def test_the_builtin_dataset_is_under_the_psf_license(tmp_path):
     assert (found.license, found.license_name) == ("other", "psf-2.0")
 
 
+_FORMS = (
+    "write a Hub license id (e.g. mit, apache-2.0, cc-by-4.0; the Hub's list is in "
+    "cluster_pipeline/data/licenses.py), a list of them, or `license: other` with "
+    "`license_name:` (an id of your own, e.g. acme-1.0) and `license_link:` (a URL, or a file of "
+    "the dataset folder such as LICENSE)"
+)
+
+
 @pytest.mark.parametrize(
     "card, message",
     [
         ("---\nlicense: mit\n# never closed\n", "is never closed; end it with a line '---'"),
         ("---\n- mit\n---\n", "must be a mapping (key: value lines), got a list"),
         ("---\nlicense: [mit\n---\n", "is not valid YAML"),
-        ("---\nlicense: 3\n---\n", "'license' must be a Hub license id"),
+        # YAML errors give the file's line: the front matter starts on line 2.
+        ("---\nlicense: [mit\n---\n", 'README.md", line 2, column 10:\n    license: [mit'),
+        ("---\npretty_name: x\nlicense: mit\n  bad: 1\n---\n", 'README.md", line 4, column 6:'),
+        ("---\nlicense: 3\n---\n", f"line 2: 'license' must be a Hub license id, got 3; {_FORMS}"),
+        (
+            "---\npretty_name: x\nlicense: totally-made-up\n---\n",
+            f"line 3: license 'totally-made-up' is not a license id the Hub accepts; {_FORMS}",
+        ),
+        (
+            "---\nlicense: [mit, CC-BY-4.0]\n---\n",
+            "line 2: license 'CC-BY-4.0' is not a license id the Hub accepts (did you mean "
+            f"'cc-by-4.0'?); {_FORMS}",
+        ),
+        (
+            "---\nlicense: other\n---\n",
+            "line 2: `license: other` needs license_name and license_link beside it (the Hub "
+            f"refuses it without them); {_FORMS}",
+        ),
+        (
+            "---\nlicense_name: acme\nlicense: other\nlicense_link: ''\n---\n",
+            "line 3: `license: other` needs license_link beside it",
+        ),
+        ("---\nlicense: []\n---\n", "line 2: 'license' must be a Hub license id, got []"),
     ],
 )
 def test_a_malformed_card_is_refused_naming_it(tmp_path, card, message):
@@ -386,8 +416,24 @@ def test_a_malformed_card_is_refused_naming_it(tmp_path, card, message):
     raw = _folder(tmp_path, {"README.md": card})
     with pytest.raises(ValueError) as e:
         source_license("my set", raw)
-    assert str(e.value).startswith(f"{raw / 'my set' / 'README.md'}: ")
+    assert str(e.value).startswith(f"{raw / 'my set' / 'README.md'}")
     assert message in str(e.value)
+
+
+def test_every_hub_license_id_is_accepted(tmp_path):
+    from cluster_pipeline.data.datasets import source_license
+    from cluster_pipeline.data.licenses import HUB_LICENSES
+
+    # The Hub's table (hub-docs at 242f4a1): 83 ids, lower case, `other` among them.
+    assert len(HUB_LICENSES) == len(set(HUB_LICENSES)) == 83
+    assert {"mit", "apache-2.0", "cc-by-4.0", "llama3.1", "unknown", "other"} <= set(HUB_LICENSES)
+    raw = _folder(tmp_path, {})
+    card = raw / "my set" / "README.md"
+    for license in HUB_LICENSES:
+        extra = "license_name: acme-1.0\nlicense_link: LICENSE\n" if license == "other" else ""
+        card.write_text(f"---\nlicense: {license}\n{extra}---\n")
+        found = source_license("my set", raw)
+        assert found is not None and found.license == license
 
 
 def test_card_and_license_file_are_not_samples(tmp_path):

@@ -8,7 +8,10 @@ the tiny dataset and model, and export through the command line.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -164,14 +167,205 @@ def test_an_existing_export_is_replaced_only_when_it_is_the_same_or_overwrite_is
     _assert_reads_back(out, manifests_b, tmp_path / "cache")
     assert not list(tmp_path.glob(".export.*"))
 
-    other = tmp_path / "notes"
-    other.mkdir()
-    (other / "todo.txt").write_text("mine")
-    with pytest.raises(ExportError, match="holds no export.json, so it is not an export"):
-        export_selection(a, other, raw_a, overwrite=True)
-    assert [p.name for p in other.iterdir()] == ["todo.txt"]
     with pytest.raises(ExportError, match="is a file; choose a folder with --out"):
-        export_selection(a, other / "todo.txt", raw_a)
+        export_selection(a, out / "README.md", raw_a)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | str]:
+    """Every path under ``folder``: a file's bytes, a symlink's target, a folder as ``dir``."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_symlink():
+            out[rel] = f"-> {os.readlink(p)}"
+        elif p.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = p.read_bytes()
+    return out
+
+
+NOT_OURS = (
+    "; --out {out} is not empty, and what it holds ({held}) is not this command's to replace, "
+    "with or without --overwrite: move those out of {out}, or choose a new or empty folder with "
+    "--out"
+)
+
+
+@pytest.mark.parametrize(
+    "identity, why",
+    [
+        (
+            '{"exporter": "my-other-tool"}',
+            'has no "exporter": "cluster-pipeline export", so it is not an export',
+        ),
+        ("{}", 'has no "exporter": "cluster-pipeline export", so it is not an export'),
+        ("[1, 2]", 'has no "exporter": "cluster-pipeline export", so it is not an export'),
+        ('{"exporter": ', "is not valid JSON (Expecting value: line 1 column 14)"),
+        # An export of an older cluster-pipeline (no marker, no file list) is not ours either.
+        (
+            '{"dataset": "hand", "manifest_set_sha256": "x", "manifest_sha256": []}',
+            'has no "exporter": "cluster-pipeline export", so it is not an export',
+        ),
+        (
+            '{"exporter": "cluster-pipeline export", "format": 1}',
+            "is format 1, not 2 (the one this cluster-pipeline writes and reads)",
+        ),
+    ],
+)
+def test_a_folder_whose_export_json_is_not_ours_is_never_touched(tmp_path, identity, why):
+    a, _ = _hand_made(tmp_path / "a")
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "export.json").write_text(identity)
+    (proj / "src" / "main.py").write_text("x\n")
+    (proj / "NOTES.md").write_text("n\n")
+    before = _snapshot(proj)
+    for overwrite in (False, True):
+        with pytest.raises(ExportError) as e:
+            export_selection(a, proj, tmp_path / "a" / "data" / "raw", overwrite=overwrite)
+        held = "NOTES.md, export.json, src/"
+        assert str(e.value) == f"{proj / 'export.json'} {why}" + NOT_OURS.format(
+            out=proj, held=held
+        )
+        assert _snapshot(proj) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "proj"]  # no temp folder left
+
+
+def test_a_folder_without_export_json_is_never_touched(tmp_path):
+    a, _ = _hand_made(tmp_path / "a")
+    notes = tmp_path / "notes"
+    (notes / "empty").mkdir(parents=True)
+    (notes / "todo.txt").write_text("mine")
+    before = _snapshot(notes)
+    with pytest.raises(ExportError) as e:
+        export_selection(a, notes, tmp_path / "a" / "data" / "raw", overwrite=True)
+    assert str(e.value) == f"{notes} holds no export.json, so it is not an export" + (
+        NOT_OURS.format(out=notes, held="empty/, todo.txt")
+    )
+    assert _snapshot(notes) == before
+
+
+def _besides(out: Path, outside: Path) -> list[str]:
+    """Put a user's things in an export folder; return what the refusal names."""
+    (out / "MY_NOTES.txt").write_text("n\n")
+    (out / "mywork" / "deep").mkdir(parents=True)
+    (out / "mywork" / "deep" / "train.py").write_text("x\n")
+    (out / "link").symlink_to(outside)
+    (out / "data" / "mine.parquet").write_bytes(b"PAR1")
+    (out / "dataset_dict" / "rank_0" / "cache-0a1b.arrow").write_bytes(b"arrow")
+    (out / "scratch").mkdir()
+    with (out / "README.md").open("a") as f:  # a file the export wrote, edited since
+        f.write("my note\n")
+    return [
+        "MY_NOTES.txt",
+        "README.md",
+        "data/mine.parquet",
+        "dataset_dict/rank_0/cache-0a1b.arrow",
+        "link",
+        "mywork/",
+        "scratch/",
+    ]
+
+
+def test_files_beside_an_export_are_never_deleted_and_make_it_refuse(tmp_path):
+    a, _ = _hand_made(tmp_path / "a", order=1)
+    b, _ = _hand_made(tmp_path / "b", order=-1)
+    raw = tmp_path / "a" / "data" / "raw"
+    # The default folder, data/exports/<name>, is a folder like any other.
+    out = tmp_path / "data" / "exports" / "hand"
+    export_selection(a, out, raw)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    named = _besides(out, outside)
+    before = _snapshot(out)
+    for source, overwrite in ((a, False), (a, True), (b, True)):
+        with pytest.raises(ExportError) as e:
+            export_selection(source, out, raw, overwrite=overwrite)
+        assert str(e.value) == (
+            f"--out {out} holds an export, and besides it 7 path(s) the export did not write or "
+            f"that changed since: {', '.join(named[:5])} and 2 more. Nothing but the export's "
+            f"own files is replaced, with or without --overwrite: move those out of {out} (or "
+            "delete them), or choose another folder with --out"
+        )
+        assert _snapshot(out) == before and outside.read_text() == "keep"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hand"]
+
+
+def test_replacing_an_export_deletes_only_the_files_it_listed(tmp_path, monkeypatch):
+    a, _ = _hand_made(tmp_path / "a", order=1)
+    b, manifests_b = _hand_made(tmp_path / "b", order=-1)
+    raw = tmp_path / "a" / "data" / "raw"
+    out = tmp_path / "export"
+    export_selection(a, out, raw)
+    listed = json.loads((out / "export.json").read_text())["files"]
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert sorted([*listed, "export.json"]) == on_disk
+    for rel, sha in listed.items():
+        assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == sha
+    # A file that appears in the earlier export after the last check (a race) is left, in the
+    # folder the earlier export was swapped out to, and the summary says where.
+    swap = hf_datasets._swap_in
+
+    def late_file(tmp: Path, dest: Path) -> None:
+        (dest / "late.txt").write_text("late")
+        swap(tmp, dest)
+
+    monkeypatch.setattr(hf_datasets, "_swap_in", late_file)
+    summary = export_selection(b, out, raw, overwrite=True)
+    assert summary.replaced and summary.left_behind is not None
+    assert _snapshot(summary.left_behind) == {"late.txt": b"late"}
+    assert summary.left_behind.parent == tmp_path and summary.left_behind.name.startswith(
+        ".export.tmp-"
+    )
+    _assert_reads_back(out, manifests_b, tmp_path / "cache")
+    monkeypatch.setattr(hf_datasets, "_swap_in", swap)
+    # Without renameat2's exchange (another file system): two renames, the same outcome.
+    monkeypatch.setattr(hf_datasets, "_exchange", lambda a, b: False)
+    again = export_selection(a, out, raw, overwrite=True)
+    assert again.replaced and again.left_behind is None
+    _assert_reads_back(out, _hand_made(tmp_path / "c", order=1)[1], tmp_path / "cache")
+    hidden = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert hidden == [summary.left_behind]
+
+
+def test_out_may_be_a_symlink_to_a_folder(tmp_path):
+    a, manifests = _hand_made(tmp_path / "a", order=1)
+    b, manifests_b = _hand_made(tmp_path / "b", order=-1)
+    raw = tmp_path / "a" / "data" / "raw"
+    target = tmp_path / "real"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    summary = export_selection(a, link, raw)
+    assert summary.out == target and link.is_symlink() and link.resolve() == target
+    _assert_reads_back(link, manifests, tmp_path / "cache")
+    assert export_selection(b, link, raw, overwrite=True).replaced
+    assert link.is_symlink() and link.resolve() == target
+    _assert_reads_back(target, manifests_b, tmp_path / "cache")
+    (target / "mine.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"besides it 1 path\(s\) .*: mine\.txt\. Nothing"):
+        export_selection(a, link, raw, overwrite=True)
+    assert (target / "mine.txt").read_text() == "mine"
+
+
+def test_an_out_that_cannot_be_created_names_out(tmp_path):
+    a, _ = _hand_made(tmp_path / "a")
+    raw = tmp_path / "a" / "data" / "raw"
+    with pytest.raises(ExportError) as e:
+        export_selection(a, Path("/proc/nope"), raw)
+    assert str(e.value) == (
+        "--out /proc/nope cannot be created: its parent folder /proc cannot be written (No such "
+        "file or directory); choose a folder you can write with --out"
+    )
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError) as e:
+        export_selection(a, tmp_path / "file" / "sub" / "out", raw)
+    assert str(e.value) == (
+        f"--out {tmp_path / 'file' / 'sub' / 'out'} cannot be created: its parent folder "
+        f"{tmp_path / 'file' / 'sub'} cannot be created (Not a directory); choose a folder you "
+        "can write with --out"
+    )
 
 
 def test_a_failed_export_leaves_the_earlier_one_intact(tmp_path, monkeypatch):
@@ -179,18 +373,42 @@ def test_a_failed_export_leaves_the_earlier_one_intact(tmp_path, monkeypatch):
     b, _ = _hand_made(tmp_path / "b", order=-1)
     out = tmp_path / "export"
     export_selection(a, out, tmp_path / "a" / "data" / "raw")
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = _snapshot(out)
 
     def fail(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
-    # The card is written after the splits: the failure strikes a half-written export.
-    monkeypatch.setattr(hf_datasets, "card_body", fail)
-    with pytest.raises(OSError, match="disk full"):
-        export_selection(b, out, tmp_path / "b" / "data" / "raw", overwrite=True)
-    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert after == before
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # The card is written after the splits: the failure strikes a half-written export; then
+    # the swap itself fails, with and without renameat2's exchange.
+    for target, name in (
+        (hf_datasets, "card_body"),
+        (hf_datasets, "_exchange"),
+        (Path, "rename"),
+    ):
+        with monkeypatch.context() as m:
+            if name == "rename":
+                m.setattr(hf_datasets, "_exchange", lambda a, b: False)
+                real = Path.rename
+
+                def rename(self, dest, real=real):
+                    if Path(dest) == out and self.name.startswith(".export.tmp-"):
+                        raise OSError(28, "No space left on device")
+                    return real(self, dest)
+
+                m.setattr(Path, "rename", rename)
+            else:
+                m.setattr(target, name, fail)
+            with pytest.raises(ExportError) as e:
+                export_selection(b, out, tmp_path / "b" / "data" / "raw", overwrite=True)
+        assert str(e.value).startswith(
+            f"writing the export to --out {out} failed ([Errno 28] No space left on device"
+        )
+        assert str(e.value).endswith(
+            "; the folder is as it was. Free space or fix the cause, then export again, or "
+            "choose another --out"
+        )
+        assert _snapshot(out) == before, name
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     _assert_reads_back(out, manifests_a, tmp_path / "cache")
 
 
@@ -365,20 +583,63 @@ def test_export_errors_name_what_to_do(selected, monkeypatch, capsys, tmp_path):
         "first: web UI Jobs -> selection_job, or `make run DATASET={name}` (main_job runs it "
         "too)\n"
     )
-    assert export("nosuch") == first.format(
-        name="nosuch", why=f"the Dagster instance at {home} has no record of them"
+    error = "cluster-pipeline export: error: "
+    assert export("nosuch") == (
+        f"{error}dataset 'nosuch' is not registered in the Dagster instance at {home} "
+        "(registered: tiny); check the name (`cluster-pipeline datasets` lists the datasets "
+        "found, `cluster-pipeline datasets sync` registers them)\n"
     )
+    assert export("") == (
+        f"{error}the dataset name is empty; give a dataset registered in the Dagster instance at "
+        f"{home} (registered: tiny)\n"
+    )
+    (selected / "data" / "raw" / "newset").mkdir()
+    assert export("newset") == (
+        f"{error}dataset 'newset' is not registered in the Dagster instance at {home} "
+        f"(registered: tiny); its folder {selected / 'data' / 'raw' / 'newset'} exists: "
+        "`cluster-pipeline datasets sync` registers it, then materialize selection_job for it\n"
+    )
+    (selected / "data" / "raw" / "newset").rmdir()
     table = selected / "data" / "tables" / "shard_manifests" / "tiny"
-    (tmp_path / "other_home").mkdir()
-    assert export("tiny", home=tmp_path / "other_home") == first.format(
-        name="tiny",
-        why=f"the Dagster instance at {tmp_path / 'other_home'} has no record of them, though "
-        f"the table {table} exists (set DAGSTER_HOME to the instance that made it, or "
-        "rematerialize)",
+    other = tmp_path / "other_home"
+    other.mkdir()
+    assert export("tiny", home=other) == (
+        f"{error}dataset 'tiny' is not registered in the Dagster instance at {other} (none is "
+        f"registered); its table {table} exists: set DAGSTER_HOME to the Dagster instance that "
+        "made it\n"
     )
     assert export("tiny", home=tmp_path / "gone") == first.format(
         name="tiny", why=f"there is no Dagster instance at {tmp_path / 'gone'}"
     )
+    assert export("", home=tmp_path / "gone") == (
+        f"{error}the dataset name is empty, and there is no Dagster instance at "
+        f"{tmp_path / 'gone'}, so no dataset is registered: `cluster-pipeline datasets sync` "
+        "registers the datasets under data/raw/\n"
+    )
+    assert export("tiny", "--out", "/proc/nope") == (
+        f"{error}--out /proc/nope cannot be created: its parent folder /proc cannot be written "
+        "(No such file or directory); choose a folder you can write with --out\n"
+    )
+
+    # The default folder, data/exports/tiny, exported twice: the user's files there stay and
+    # make the second export refuse.
+    default = selected / "data" / "exports" / "tiny"
+    shutil.rmtree(default, ignore_errors=True)  # an earlier test's export
+    assert export("tiny").startswith(f"exported to {default}: ")
+    (default / "MY_NOTES.txt").write_text("n\n")
+    (default / "mywork").mkdir()
+    (default / "mywork" / "train.py").write_text("x\n")
+    for flags in ((), ("--overwrite",)):
+        assert export("tiny", *flags) == (
+            f"{error}--out {default} holds an export, and besides it 2 path(s) the export did "
+            f"not write or that changed since: MY_NOTES.txt, mywork/. Nothing but the export's "
+            f"own files is replaced, with or without --overwrite: move those out of {default} "
+            "(or delete them), or choose another folder with --out\n"
+        )
+    assert (default / "mywork" / "train.py").read_text() == "x\n"
+    (default / "MY_NOTES.txt").unlink()
+    shutil.rmtree(default / "mywork")
+    assert export("tiny").startswith(f"replaced the export in {default}: ")
 
     out = tmp_path / "export"
     assert export("tiny", "--out", str(out)).startswith(f"exported to {out}: ")

@@ -152,34 +152,62 @@ def test_manifest_files_give_the_shards_and_wrong_sets_are_refused(tmp_path):
         ClusterShards.from_manifests(folder)
 
 
-def _export(tmp_path: Path, shards: ClusterShards) -> Path:
-    """An export folder as ``cluster-pipeline export`` writes it, of ``shards`` (only the parts
-    :meth:`ClusterShards.from_export` reads: ``export.json`` and ``dataset_dict/``)."""
-    out = tmp_path / "export"
-    assert shards.rows is not None
-    splits = {}
-    for r in shards.ranks:
-        frame = (
-            pl.DataFrame({"sample_id": list(r.sample_ids)})
-            .with_row_index("position")
-            .join(shards.rows, on="sample_id", maintain_order="left")
-            .with_columns(pl.lit(r.weight).alias("weight"), pl.lit(r.rank).alias("rank"))
-        )
-        splits[f"rank_{r.rank}"] = datasets.Dataset.from_polars(frame)
-    datasets.DatasetDict(splits).save_to_disk(str(out / "dataset_dict"))
-    (out / "export.json").write_text(
-        json.dumps({"manifest_sha256": [r.sha256 for r in shards.ranks]})
+def _export(tmp_path: Path, n: int, sizes: list[int], weights: list[float]):
+    """``n`` records (two with a system prompt) in a raw_instructions table and disjoint shards
+    of ``sizes`` over them, exported as ``cluster-pipeline export`` writes them
+    (:func:`~cluster_pipeline.integrations.hf_datasets.export_selection`). Returns (the export
+    folder, the shards, the table's rows)."""
+    from cluster_pipeline.integrations.hf_datasets import ExportSource, export_selection
+    from cluster_pipeline.storage.tables import write_table
+
+    records = tiny_records(n)
+    for r in records[:2]:
+        r["system"] = "You are terse."
+    raw = instructions_table(tmp_path / "raw", records)
+    rows = pl.read_delta(raw.uri).select(SAMPLE_COLUMNS)
+    shards = _shards(rows, sizes, weights)
+    ids = rows["sample_id"].to_list()
+    clusters = write_table(
+        pl.DataFrame({"sample_id": ids, "cluster": [0] * len(ids)}), tmp_path / "clusters"
     )
-    return out
+    manifests = [
+        ShardManifest("hand", r.rank, len(sizes), "peripheral", r.weight, 0, r.sample_ids)
+        for r in shards.ranks
+    ]
+    source = ExportSource(
+        dataset="hand",
+        selector="peripheral",
+        ratio=1.0,
+        selection_seed=0,
+        num_clusters=len(sizes),
+        alpha=1.5,
+        cluster_weights=weights,
+        balance="samples",
+        token_budget=None,
+        pool_size=n,
+        selected_samples=sum(sizes),
+        base_model="/models/tiny",
+        manifest_paths=[str(m.write(tmp_path / "shards")) for m in manifests],
+        manifest_sha256=[m.sha256 for m in manifests],
+        manifest_set_sha256="ab" * 32,
+        dropped_for_equal_shards=0,
+        tables={"raw_instructions": raw, "balanced_clusters": clusters},
+    )
+    out = tmp_path / "export"
+    export_selection(source, out, tmp_path / "no_raw")
+    return out, shards, rows
 
 
-def test_an_export_gives_the_shards_and_their_samples_and_an_edited_one_is_refused(tmp_path):
-    rows = _rows(tmp_path, 12)
-    shards = _shards(rows, [5, 3], [1.25, 0.75])
-    out = _export(tmp_path, shards)
+def test_an_export_gives_the_shards_and_their_samples(tmp_path):
+    out, shards, rows = _export(tmp_path, 12, [5, 3], [1.25, 0.75])
     read = ClusterShards.from_export(out)
     assert read.ranks == shards.ranks and read.source == str(out)
+    # The samples' text as raw_instructions stores it: "" for no system prompt (the export
+    # writes null), the system prompt where there is one.
     assert read.rows is not None and sorted(read.rows.rows()) == sorted(rows.head(8).rows())
+    assert sorted(set(read.rows["system"])) == ["", "You are terse."]
+    exported = datasets.load_from_disk(str(out / "dataset_dict"))["train"]
+    assert sorted(set(exported["system"]), key=str) == [None, "You are terse."]
     data = tmp_path / "data"
     (data / "exports").mkdir(parents=True)
     out.rename(data / "exports" / "hand")
@@ -191,16 +219,128 @@ def test_an_export_gives_the_shards_and_their_samples_and_an_edited_one_is_refus
         "`cluster-pipeline export other` first (it writes the shard manifests and their samples "
         "there)"
     )
-    with pytest.raises(ValueError, match="holds no export.json, so it is not an export"):
-        ClusterShards.from_export(data)
-    # A rank's split whose samples changed no longer hashes to the recorded manifest.
-    other = _shards(rows, [5, 3], [1.25, 0.5])
-    moved = _export(tmp_path, other)
-    (moved / "export.json").write_text(
-        json.dumps({"manifest_sha256": [r.sha256 for r in shards.ranks]})
+
+
+def _rehash(out: Path) -> None:
+    """Record the files' present hashes in export.json: an edit that covers its tracks."""
+    from cluster_pipeline.integrations.hf_datasets import file_sha256
+
+    identity = json.loads((out / "export.json").read_text())
+    identity["files"] = {rel: file_sha256(out / rel) for rel in identity["files"]}
+    (out / "export.json").write_text(json.dumps(identity))
+
+
+def _edit_split(out: Path, split: str, change) -> None:
+    """Rewrite ``split`` of ``dataset_dict/`` with ``change`` (a polars frame -> frame)."""
+    import shutil
+
+    splits = datasets.load_from_disk(str(out / "dataset_dict"))
+    frames = {n: splits[n].to_polars() for n in splits}
+    frames[split] = change(frames[split])
+    edited = datasets.DatasetDict(
+        {n: datasets.Dataset.from_polars(f, features=splits[n].features) for n, f in frames.items()}
     )
-    with pytest.raises(ValueError, match="split rank_1 does not hash to the manifest"):
-        ClusterShards.from_export(moved)
+    del splits
+    edited.save_to_disk(str(out.parent / "edited"))
+    shutil.rmtree(out / "dataset_dict")
+    (out.parent / "edited").rename(out / "dataset_dict")
+
+
+TRUNCATED = "Unterminated string starting at: line 2 column 2"
+REDO = "export it again: `cluster-pipeline export {dataset} --out {out}`"
+
+
+def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
+    import shutil
+
+    out, shards, _ = _export(tmp_path, 12, [5, 3], [1.25, 0.75])
+    pristine = tmp_path / "pristine"
+    shutil.copytree(out, pristine, symlinks=True)
+    identity = out / "export.json"
+    redo = REDO.format(dataset="hand", out=out)
+    unknown = REDO.format(dataset="<dataset>", out=out)
+
+    def refused(fragment: str) -> str:
+        with pytest.raises(ValueError) as e:
+            ClusterShards.from_export(out)
+        assert fragment in str(e.value), str(e.value)
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out, symlinks=True)
+        return str(e.value)
+
+    assert ClusterShards.from_export(out).ranks == shards.ranks
+    # export.json: gone, truncated, another tool's, a key missing.
+    identity.unlink()
+    assert refused("") == f"{out} holds no export.json, so it is not an export: {unknown}"
+    text = (pristine / "export.json").read_text()
+    identity.write_text(text[:12])
+    assert refused("") == f"{identity} is not valid JSON ({TRUNCATED}): {unknown}"
+    identity.write_text('{"exporter": "my-other-tool"}')
+    assert refused("") == (
+        f'{identity} has no "exporter": "cluster-pipeline export", so it is not an export: '
+        f"{unknown}"
+    )
+    for key in ("manifest_sha256", "files", "dataset"):
+        record = json.loads(text)
+        del record[key]
+        identity.write_text(json.dumps(record))
+        assert refused("") == f'{identity} lacks the key "{key}": {unknown}'
+    # dataset_dict/ gone, a split gone, a file of it gone.
+    shutil.rmtree(out / "dataset_dict")
+    assert refused("") == (
+        f"{out}: dataset_dict/, listed in {identity}, is gone; the export is incomplete: {redo}"
+    )
+    shutil.rmtree(out / "dataset_dict" / "rank_1")
+    assert refused("") == (
+        f"{out}: dataset_dict/rank_1/, listed in {identity}, is gone; the export is "
+        f"incomplete: {redo}"
+    )
+    (out / "data" / "rank_0-00000-of-00001.parquet").unlink()
+    assert refused("") == (
+        f"{out}: data/rank_0-00000-of-00001.parquet, listed in {identity}, is gone; the export "
+        f"is incomplete: {redo}"
+    )
+    # The Parquet files the Hub and load_dataset read: a row dropped, a response changed.
+    changed = (
+        f"{out}: {{n}} file(s) changed since the export wrote them ({{file}}: their SHA-256 is not "
+        f"the one {identity} records); {redo}"
+    )
+    parquet = out / "data" / "rank_0-00000-of-00001.parquet"
+    for edit in (
+        lambda f: f.slice(1),
+        lambda f: f.with_columns(pl.lit("HACKED").alias("response")),
+        lambda f: f.with_columns(pl.lit(2.0).alias("weight")),
+    ):
+        edit(pl.read_parquet(parquet)).write_parquet(parquet)
+        assert refused("") == changed.format(n=1, file="data/rank_0-00000-of-00001.parquet")
+    # dataset_dict/, what trains: a response edited to HACKED.
+    hacked = pl.col("response").cum_count().eq(3)
+
+    def hack(f):
+        return f.with_columns(
+            pl.when(hacked).then(pl.lit("HACKED")).otherwise("response").alias("response")
+        )
+
+    _edit_split(out, "rank_0", hack)
+    # (save_to_disk gives the split a new fingerprint too.)
+    arrow = "dataset_dict/rank_0/data-00000-of-00001.arrow, dataset_dict/rank_0/state.json"
+    assert refused("") == changed.format(n=2, file=arrow)
+    # Even with export.json's hashes forged to match, the text must hash to its sample_id, and
+    # each rank's ids and weight to its manifest.
+    _edit_split(out, "rank_0", hack)
+    _rehash(out)
+    third = shards.ranks[0].sample_ids[2]
+    msg = refused("")
+    assert msg.startswith(
+        f"{out / 'dataset_dict'} split rank_0, position 2: the text of sample {third} hashes to "
+    )
+    assert msg.endswith(f" (its system, prompt, response or tools were edited); {redo}")
+    _edit_split(out, "rank_1", lambda f: f.with_columns(pl.lit(0.5).alias("weight")))
+    _rehash(out)
+    assert refused("") == (
+        f"{out / 'dataset_dict'} split rank_1 does not hash to the manifest "
+        f"{shards.ranks[1].sha256[:12]} that {identity} records (edited?); {redo}"
+    )
 
 
 def test_the_rank_dataset_holds_the_products_tokens_or_trls_conversation(tmp_path, tiny_tokenizer):
