@@ -224,7 +224,7 @@ def run_config_for(assets: list[dg.AssetsDefinition], **overrides: dict) -> dict
 
 def resources(data_dir: Path, model_dir: Path, tracking_uri: str | None = None) -> dict:
     """The project's resources over a test data folder and model; MLflow tracking off unless
-    ``tracking_uri`` is given (a store of the test's own)."""
+    ``tracking_uri`` is given (a store of the test's own; "" = the data folder's own store)."""
     from cluster_pipeline.defs.resources import (
         BaseModelResource,
         StorageResource,
