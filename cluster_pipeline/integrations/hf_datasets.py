@@ -397,13 +397,15 @@ def check_destination(out: Path, source: ExportSource, overwrite: bool) -> Expor
     (it is replaced), None if ``out`` is missing or empty.
 
     ``out`` may be written when it is missing or empty, or when it is an export
-    (:func:`read_export_record`) holding only the files it lists, unchanged: of the same dataset
-    and manifest set, or of others with ``overwrite``. Anything else is refused with or without
-    ``overwrite``, naming a few of the files and what to do.
+    (:func:`read_export_record`) holding only the files it lists: unchanged and of the same
+    dataset and manifest set, or, with ``overwrite``, of others or with some of its own files
+    changed since (they are replaced). A path the export did not write is refused with or
+    without ``overwrite``, naming a few of them and what to do.
 
     Raises:
         ExportError: ``out`` is a file, a folder that is not an export, an export holding files
-            it did not write (or changed since), or (without ``overwrite``) a different export.
+            it did not write, or (without ``overwrite``) a different export or one whose own
+            files changed since it wrote them.
     """
     if not out.exists():
         return None
@@ -422,13 +424,23 @@ def check_destination(out: Path, source: ExportSource, overwrite: bool) -> Expor
             f"command's to replace, with or without --overwrite: move those out of {out}, or "
             "choose a new or empty folder with --out"
         ) from None
-    foreign = foreign_paths(out, record)
+    # The export's own files whose bytes changed (still regular files) are its to replace,
+    # with --overwrite; anything else it did not write is never touched.
+    _, changed = _listed_and_unchanged(out, record)
+    edited = [c for c in changed if (out / c).is_file() and not (out / c).is_symlink()]
+    foreign = [p for p in foreign_paths(out, record) if p not in edited]
     if foreign:
         raise ExportError(
             f"--out {out} holds an export, and besides it {len(foreign)} path(s) the export did "
-            f"not write or that changed since: {_some(foreign)}. Nothing but the export's own "
-            f"files is replaced, with or without --overwrite: move those out of {out} (or "
-            "delete them), or choose another folder with --out"
+            f"not write: {_some(foreign)}. Nothing but the export's own files is replaced, with "
+            f"or without --overwrite: move those out of {out} (or delete them), or choose "
+            "another folder with --out"
+        )
+    if edited and not overwrite:
+        raise ExportError(
+            f"--out {out} holds an export, {len(edited)} of whose own files changed since it "
+            f"wrote them: {_some(edited)}. Pass --overwrite to replace them with a fresh export "
+            "(nothing else in the folder is touched), or copy them elsewhere first"
         )
     same = (record.dataset, record.manifest_set_sha256) == (
         source.dataset,
@@ -454,11 +466,16 @@ def verify_export(folder: str | Path) -> ExportRecord:
             is gone or changed; the message names the files and says to export again.
     """
     folder = Path(folder)
-    redo = f"export it again: `cluster-pipeline export <dataset> --out {folder}`"
     try:
         record = read_export_record(folder)
     except ExportError as e:
-        raise ExportError(f"{e}: {redo}") from None
+        # Without a readable record the folder is not provably an export: export replaces it
+        # only once it is empty.
+        raise ExportError(
+            f"{e}: delete {folder} (or choose another folder) and export again: "
+            f"`cluster-pipeline export <dataset> --out {folder}`"
+        ) from None
+    redo = f"export it again: `cluster-pipeline export <dataset> --out {folder} --overwrite`"
     gone, changed = _listed_and_unchanged(folder, record)
     redo = redo.replace("<dataset>", record.dataset)
     if gone:

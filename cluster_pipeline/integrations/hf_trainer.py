@@ -183,7 +183,10 @@ class ClusterShards:
 
         folder = Path(folder)
         record = verify_export(folder)
-        redo = f"export it again: `cluster-pipeline export {record.dataset} --out {folder}`"
+        redo = (
+            f"export it again: `cluster-pipeline export {record.dataset} --out {folder} "
+            "--overwrite`"
+        )
         where = folder / DATASET_DICT
         try:
             splits = datasets.load_from_disk(str(where))

@@ -21,7 +21,12 @@ import yaml
 
 from cluster_pipeline.data.datasets import build_instruction_table, load_samples
 from cluster_pipeline.integrations import hf_datasets
-from cluster_pipeline.integrations.hf_datasets import ExportError, ExportSource, export_selection
+from cluster_pipeline.integrations.hf_datasets import (
+    ExportError,
+    ExportSource,
+    export_selection,
+    verify_export,
+)
 from cluster_pipeline.selection.sharding import ShardManifest, content_sha256, manifests_frame
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
@@ -277,19 +282,43 @@ def test_files_beside_an_export_are_never_deleted_and_make_it_refuse(tmp_path):
     export_selection(a, out, raw)
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
-    named = _besides(out, outside)
+    named = [p for p in _besides(out, outside) if p != "README.md"]  # README.md: the export's
     before = _snapshot(out)
     for source, overwrite in ((a, False), (a, True), (b, True)):
         with pytest.raises(ExportError) as e:
             export_selection(source, out, raw, overwrite=overwrite)
         assert str(e.value) == (
-            f"--out {out} holds an export, and besides it 7 path(s) the export did not write or "
-            f"that changed since: {', '.join(named[:5])} and 2 more. Nothing but the export's "
-            f"own files is replaced, with or without --overwrite: move those out of {out} (or "
-            "delete them), or choose another folder with --out"
+            f"--out {out} holds an export, and besides it 6 path(s) the export did not write: "
+            f"{', '.join(named[:5])} and 1 more. Nothing but the export's own files is "
+            f"replaced, with or without --overwrite: move those out of {out} (or delete them), "
+            "or choose another folder with --out"
         )
         assert _snapshot(out) == before and outside.read_text() == "keep"
     assert sorted(p.name for p in out.parent.iterdir()) == ["hand"]
+
+
+def test_an_export_whose_own_files_changed_is_replaced_only_with_overwrite(tmp_path):
+    a, _ = _hand_made(tmp_path / "a", order=1)
+    raw = tmp_path / "a" / "data" / "raw"
+    out = tmp_path / "export"
+    export_selection(a, out, raw)
+    pristine = _snapshot(out)
+    with (out / "README.md").open("a") as f:
+        f.write("my note\n")
+    parquet = out / "data" / "rank_0-00000-of-00001.parquet"
+    pl.read_parquet(parquet).slice(1).write_parquet(parquet)
+    edited = _snapshot(out)
+    with pytest.raises(ExportError) as e:
+        export_selection(a, out, raw)
+    assert str(e.value) == (
+        f"--out {out} holds an export, 2 of whose own files changed since it wrote them: "
+        "README.md, data/rank_0-00000-of-00001.parquet. Pass --overwrite to replace them with "
+        "a fresh export (nothing else in the folder is touched), or copy them elsewhere first"
+    )
+    assert _snapshot(out) == edited
+    export_selection(a, out, raw, overwrite=True)
+    assert _snapshot(out).keys() == pristine.keys()
+    verify_export(out)  # every listed file as the fresh export wrote it
 
 
 def test_replacing_an_export_deletes_only_the_files_it_listed(tmp_path, monkeypatch):
@@ -632,9 +661,9 @@ def test_export_errors_name_what_to_do(selected, monkeypatch, capsys, tmp_path):
     for flags in ((), ("--overwrite",)):
         assert export("tiny", *flags) == (
             f"{error}--out {default} holds an export, and besides it 2 path(s) the export did "
-            f"not write or that changed since: MY_NOTES.txt, mywork/. Nothing but the export's "
-            f"own files is replaced, with or without --overwrite: move those out of {default} "
-            "(or delete them), or choose another folder with --out\n"
+            f"not write: MY_NOTES.txt, mywork/. Nothing but the export's own files is replaced, "
+            f"with or without --overwrite: move those out of {default} (or delete them), or "
+            "choose another folder with --out\n"
         )
     assert (default / "mywork" / "train.py").read_text() == "x\n"
     (default / "MY_NOTES.txt").unlink()

@@ -247,7 +247,11 @@ def _edit_split(out: Path, split: str, change) -> None:
 
 
 TRUNCATED = "Unterminated string starting at: line 2 column 2"
-REDO = "export it again: `cluster-pipeline export {dataset} --out {out}`"
+REDO = "export it again: `cluster-pipeline export {dataset} --out {out} --overwrite`"
+UNREADABLE = (
+    "delete {out} (or choose another folder) and export again: `cluster-pipeline export "
+    "<dataset> --out {out}`"
+)
 
 
 def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
@@ -258,7 +262,7 @@ def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
     shutil.copytree(out, pristine, symlinks=True)
     identity = out / "export.json"
     redo = REDO.format(dataset="hand", out=out)
-    unknown = REDO.format(dataset="<dataset>", out=out)
+    unknown = UNREADABLE.format(out=out)
 
     def refused(fragment: str) -> str:
         with pytest.raises(ValueError) as e:
