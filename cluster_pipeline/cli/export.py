@@ -175,6 +175,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     written."""
     import dagster as dg
 
+    if not args.data_dir.is_dir():
+        # The tables are found through the instance's records, but the licenses (raw/) and the
+        # default --out live in the data folder: a wrong --data-dir would export silently.
+        raise UserError(
+            f"--data-dir {args.data_dir} is not a folder: give the data folder the pipeline "
+            f"wrote (default {default_data_dir()}, or $CLUSTER_PIPELINE_DATA_DIR)"
+        )
     layout = DataLayout.at(args.data_dir)
     home = instance_home()
     if not home.is_dir():

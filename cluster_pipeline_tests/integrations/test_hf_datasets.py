@@ -28,6 +28,7 @@ from cluster_pipeline.integrations.hf_datasets import (
     verify_export,
 )
 from cluster_pipeline.selection.sharding import ShardManifest, content_sha256, manifests_frame
+from cluster_pipeline.storage.layout import default_data_dir
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
 
@@ -613,6 +614,12 @@ def test_export_errors_name_what_to_do(selected, monkeypatch, capsys, tmp_path):
         "too)\n"
     )
     error = "cluster-pipeline export: error: "
+    nodata = selected / "nowhere" / "data"
+    nowhere = _export(nodata.parent, "tiny", home=home, monkeypatch=monkeypatch, capsys=capsys)
+    assert nowhere == (
+        f"{error}--data-dir {nodata} is not a folder: give the data folder the pipeline wrote "
+        f"(default {default_data_dir()}, or $CLUSTER_PIPELINE_DATA_DIR)\n"
+    )
     assert export("nosuch") == (
         f"{error}dataset 'nosuch' is not registered in the Dagster instance at {home} "
         "(registered: tiny); check the name (`cluster-pipeline datasets` lists the datasets "
