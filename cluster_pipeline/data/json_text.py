@@ -1,4 +1,4 @@
-"""Strict reading of JSON text: what the dataset reader, ``fields.json`` and ``eval.json`` parse.
+r"""Strict reading of JSON text: what the dataset reader, ``fields.json`` and ``eval.json`` parse.
 
 Every JSON value is parsed by the standard library's ``json`` decoder, so anything
 ``json.loads`` rejects is refused, and three things it accepts are refused as well, because each
@@ -6,7 +6,7 @@ would change a sample without a word (docs/design.md, "Reading datasets"):
 
 * ``NaN``, ``Infinity`` and ``-Infinity``: not JSON (RFC 8259); read as text they would become
   the words ``nan``/``inf``.
-* an unpaired UTF-16 surrogate escape (``"\\ud800"``, ``"\\udfff"``, a high surrogate followed
+* an unpaired UTF-16 surrogate escape (``"\ud800"``, ``"\udfff"``, a high surrogate followed
   by anything but a low one), in a key or a value: UTF-8 cannot store it, so it could never be
   hashed, tokenized or written to a table.
 * the same key twice in one object: the decoder keeps only the last value.
@@ -273,7 +273,7 @@ def iter_values(path: Path, text: str, hint: str) -> Iterator[tuple[int, Any]]:
 
 
 def iter_lines(path: Path, text: str, hint: str) -> Iterator[tuple[int, Any]]:
-    """(1-based line, value) of each non-blank line of a JSON Lines file. Lines end at ``\\n``
+    r"""(1-based line, value) of each non-blank line of a JSON Lines file. Lines end at ``\n``
     only: U+2028 and friends may sit inside JSON strings.
 
     Raises:

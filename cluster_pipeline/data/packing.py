@@ -41,10 +41,15 @@ class TokenSample(Protocol):
     :class:`~cluster_pipeline.data.tokenization.EncodedSample`)."""
 
     @property
-    def input_ids(self) -> list[int]: ...
+    def input_ids(self) -> list[int]:
+        """The sample's token ids (int, length T)."""
+        ...
 
     @property
-    def labels(self) -> list[int]: ...
+    def labels(self) -> list[int]:
+        """The training labels (int, length T): the token id where the loss counts, -100
+        elsewhere."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -154,6 +159,7 @@ def collate_rows(
     Args:
         samples: the encoded samples the rows index into.
         rows: per row, the positions in ``samples`` it holds, in order.
+        pad_token_id: the id that fills ``input_ids`` past a row's end (its labels are -100).
         packed: True: no attention mask, positions restart per sample (several samples per row
             allowed); False: one sample per row, right-padded with an attention mask (the
             padded layout of :func:`~cluster_pipeline.data.tokenization.collate`); None: packed

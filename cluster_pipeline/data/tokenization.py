@@ -1,4 +1,4 @@
-"""Turning a conversation into token ids and a label mask that covers the assistant turns.
+r"""Turning a conversation into token ids and a label mask that covers the assistant turns.
 
 **Rendering.** With a chat template, the conversation (system, user, assistant and tool turns)
 is rendered by ``tokenizer.apply_chat_template``. Each trained assistant turn's span is what
