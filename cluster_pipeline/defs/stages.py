@@ -66,17 +66,15 @@ def parents_updated():
 
 
 def eager():
-    """Dagster's ``AutomationCondition.eager()`` with :func:`parents_updated` in place of
+    """Dagster's ``AutomationCondition.eager()`` with :func:`parents_updated` in place of its
     ``any_deps_updated``: run when a parent updates (outside the project's jobs) or the
     partition becomes missing, unless a parent is missing or in progress, or this asset is in
     progress."""
     return (
-        _ac.in_latest_time_window()
-        & (_ac.newly_missing() | parents_updated()).since_last_handled()
-        & ~_ac.any_deps_missing()
-        & ~_ac.any_deps_in_progress()
-        & ~_ac.in_progress()
-    ).with_label("eager (the project's job runs aside)")
+        _ac.eager()
+        .replace("any_deps_updated", parents_updated())
+        .with_label("eager (the project's job runs aside)")
+    )
 
 
 def ui_description(docstring: str) -> str:

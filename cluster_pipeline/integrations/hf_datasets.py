@@ -256,12 +256,9 @@ class ExportRecord:
 
 
 def file_sha256(path: Path) -> str:
-    """SHA-256 (hex) of a file's bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
+    """SHA-256 (hex) of a file's bytes (``hashlib.file_digest``, streamed)."""
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _is_str_list(value: object) -> bool:
