@@ -45,7 +45,8 @@ OFF_VALUES = ("off", "0", "false", "no")
 # which has a rule of its own. A database scheme may name its driver: postgresql+psycopg2.
 SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks")
 MLFLOW_ONLY_SCHEMES = ("databricks-uc", "uc")  # Unity Catalog: model registry, not tracking
-_SQLITE = "sqlite:///"
+# The scheme and slashes before a SQLite database path (three: relative, four: absolute).
+SQLITE_PREFIX = "sqlite:///"
 _LOCAL_EXAMPLE = "sqlite:////absolute/path/mlflow.db"
 
 
@@ -191,9 +192,9 @@ def settings_problems(
 def sqlite_database(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI, absolute (a relative path is relative to the
     working folder, as SQLAlchemy reads it); None for other URIs or an in-memory database."""
-    if not uri.startswith(_SQLITE):
+    if not uri.startswith(SQLITE_PREFIX):
         return None
-    path = uri.removeprefix(_SQLITE).split("?")[0]
+    path = uri.removeprefix(SQLITE_PREFIX).split("?")[0]
     return Path(path).absolute() if path and path != ":memory:" else None
 
 
@@ -207,7 +208,7 @@ def store_notice(source: UriSource, env: Mapping[str, str] | None = None) -> tup
     env = os.environ if env is None else env
     database = sqlite_database(source.uri)
     if source.origin != "default" and database is not None and not database.parent.is_dir():
-        relative = not source.uri.removeprefix(_SQLITE).startswith("/")
+        relative = not source.uri.removeprefix(SQLITE_PREFIX).startswith("/")
         hint = (
             f" sqlite:/// followed by a relative path is relative to the working folder "
             f"{Path.cwd()}; an absolute path takes four slashes: sqlite:///{database}."

@@ -48,7 +48,12 @@ from pydantic import Field
 
 from cluster_pipeline.storage.job_files import _Model
 from cluster_pipeline.storage.layout import DataLayout
-from cluster_pipeline.tracking.settings import TRACKING_URI_ENV, sqlite_database, uri_source
+from cluster_pipeline.tracking.settings import (
+    SQLITE_PREFIX,
+    TRACKING_URI_ENV,
+    sqlite_database,
+    uri_source,
+)
 
 DEFAULT_EXPERIMENT = "cluster_pipeline"
 DEFAULT_TIMEOUT_S = 2
@@ -66,7 +71,6 @@ _PARAMS_PER_BATCH = 100
 _METRICS_PER_BATCH = 1000
 _PARAM_CHARS = 6000
 _TAG_CHARS = 8000
-_SQLITE = "sqlite:///"
 _REASON_CHARS = 400
 
 _log = logging.getLogger(__name__)
@@ -96,7 +100,7 @@ def local_store(layout: DataLayout) -> Store:
     """The data folder's own store: ``sqlite:///<data>/mlflow/mlflow.db``, artifacts in
     ``<data>/mlflow/artifacts/`` (as a ``file://`` URI)."""
     folder = layout.mlflow_dir
-    return Store(f"{_SQLITE}{folder / 'mlflow.db'}", (folder / "artifacts").as_uri())
+    return Store(f"{SQLITE_PREFIX}{folder / 'mlflow.db'}", (folder / "artifacts").as_uri())
 
 
 def resolve_store(uri: str, layout: DataLayout) -> Store:
@@ -113,7 +117,7 @@ def resolve_store(uri: str, layout: DataLayout) -> Store:
     if database is not None:
         query = uri.partition("?")[1:]
         return Store(
-            f"{_SQLITE}{database}{''.join(query)}", (database.parent / "artifacts").as_uri()
+            f"{SQLITE_PREFIX}{database}{''.join(query)}", (database.parent / "artifacts").as_uri()
         )
     return Store(uri)
 
@@ -430,9 +434,9 @@ class Tracker:
         process that tracks)."""
         from mlflow import MlflowClient
 
-        if self.uri.startswith(_SQLITE):
+        if self.uri.startswith(SQLITE_PREFIX):
             # SQLite creates the database file but not its folder.
-            Path(self.uri.removeprefix(_SQLITE)).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
             # Creating or upgrading the tables logs a line per migration at INFO.
             for name in ("mlflow.store.db.utils", "alembic"):
                 logging.getLogger(name).setLevel(logging.WARNING)
