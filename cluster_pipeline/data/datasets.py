@@ -265,19 +265,19 @@ def source_fingerprint(dataset: str, raw_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-# Columns added after the first tables were written; older versions read them as null (single
-# exchanges, no tools).
-_LATER_COLUMNS = ("messages", "tools")
+# Columns added after the first tables were written, with their types; older versions read
+# them as null (single exchanges, no tools, no record index).
+_LATER_COLUMNS = {"messages": pl.String, "tools": pl.String, "source_index": pl.Int64}
 
 
 def read_instructions(uri: str, version: int, columns: list[str]) -> pl.DataFrame:
     """``columns`` of a ``raw_instructions`` table version. Versions written before the
-    ``messages`` or ``tools`` column existed read it as null."""
+    ``messages``, ``tools`` or ``source_index`` column existed read it as null."""
     scan = pl.scan_delta(uri, version=version)
     have = set(scan.collect_schema().names())
     missing = [c for c in _LATER_COLUMNS if c in columns and c not in have]
     return (
-        scan.with_columns([pl.lit(None, dtype=pl.String).alias(c) for c in missing])
+        scan.with_columns([pl.lit(None, dtype=_LATER_COLUMNS[c]).alias(c) for c in missing])
         .select(columns)
         .collect()
     )

@@ -193,6 +193,17 @@ def _rule(message: str) -> str:
     return message.removeprefix("Value error, ")
 
 
+def _non_finite(value: Any) -> bool:
+    """Whether a config value is or holds (in a list or mapping) an infinite or NaN float."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, Mapping):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
 def validate_stages(
     run_config: Mapping[str, Any], stages: Collection[str]
 ) -> tuple[dict[str, Any], list[str]]:
@@ -210,6 +221,15 @@ def validate_stages(
         )
         problems += unset
         known = classes[stage].model_fields
+        for knob in sorted(given):
+            if _non_finite(given[knob]):
+                # (pydantic passes inf through ge/le-less bounds and ge=1 alike: no knob is
+                # meant to be infinite or NaN.)
+                problems.append(
+                    f"{stage}.{knob} = {_value(given[knob])}: not a finite number; give a "
+                    "finite value"
+                )
+        given = {k: v for k, v in given.items() if not _non_finite(v)}
         for knob in sorted(set(given) - set(known)):
             # (Dagster refuses these at launch too; dg.Config itself ignores them.)
             problems.append(

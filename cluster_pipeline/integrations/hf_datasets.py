@@ -17,8 +17,9 @@ Splits: ``rank_<c>``, rank c's shard in manifest order (the order rank c trains 
 (``uniform``) once per copy. A row is one shard entry (:data:`FEATURES`): the ``sample_id``, its
 ``rank``, ``position`` and the rank's loss ``weight`` w_c, its ``cluster``, the sample as the
 ``raw_instructions`` table stores it (``system``, ``prompt``, ``response``, ``messages`` and
-``tools`` as JSON text, ``form``), its ``source_file`` and ``source_line``, and the manifest's
-``manifest_sha256``; ``system`` is null where the sample has no system prompt. Everything is
+``tools`` as JSON text, ``form``), its ``source_file``, ``source_line`` and ``source_index``,
+and the manifest's ``manifest_sha256``; ``system`` is null where the sample has no system
+prompt. Everything is
 read at the table versions the manifests were built from. ``dataset_dict/`` and ``data/`` hold
 the same rows; ``export.json``'s hashes pin both, and :func:`verify_export` (what
 ``ClusterShards.from_export`` calls before it reads ``dataset_dict/``) refuses a folder where
@@ -75,6 +76,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "form": ("string", "the input form the record was read in"),
     "source_file": ("string", "the file the record was read from"),
     "source_line": ("int64", "its line (record number for Parquet and Arrow)"),
+    "source_index": ("int64", "0-based place among its file's records; null for python_stdlib"),
     "manifest_sha256": ("string", "content hash of the rank's shard manifest"),
 }
 _SAMPLE_COLUMNS = [
@@ -87,6 +89,7 @@ _SAMPLE_COLUMNS = [
     "form",
     "source_file",
     "source_line",
+    "source_index",
 ]
 _POLARS = {"string": pl.String, "int64": pl.Int64, "float64": pl.Float64}
 DATASET_DICT = "dataset_dict"

@@ -2,6 +2,7 @@
 ``<stage>.<knob> = <value>: <rule>``: bounds the Dagster schema cannot carry, and the rules
 across stages, the data and the base model's chat template."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,29 @@ def test_a_knob_outside_its_bounds_is_refused_in_one_line(stage, knobs, message)
         check_stages(_config(stage, **knobs), STAGES)
     assert str(e.value) == f"{stage}.{message}"
     assert "\n" not in str(e.value)
+
+
+def _float_knobs() -> list[tuple[str, str]]:
+    from cluster_pipeline.defs.run_checks import stage_configs
+
+    return [
+        (stage, knob)
+        for stage, cls in stage_configs().items()
+        for knob, field in cls.model_fields.items()
+        if "float" in str(field.annotation)
+    ]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_no_float_knob_takes_an_infinite_or_nan_value(value):
+    """Every float knob of every stage (alpha = Infinity once reached the clustering step and
+    failed there with an OverflowError)."""
+    knobs = _float_knobs()
+    assert ("balanced_clusters", "alpha") in knobs and ("peripheral_subsets", "ratio") in knobs
+    for stage, knob in knobs:
+        with pytest.raises(ConfigRefused) as e:
+            check_stages(_config(stage, **{knob: value}), STAGES)
+        assert str(e.value) == f"{stage}.{knob} = {value}: not a finite number; give a finite value"
 
 
 def test_several_problems_are_one_line():

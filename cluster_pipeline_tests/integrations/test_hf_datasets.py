@@ -148,6 +148,8 @@ def test_hand_made_manifests_read_back_equal_with_source_lines_and_clusters(tmp_
         record = _source_line(row)
         assert row["response"] == record["output"] and record["instruction"] in row["prompt"]
         assert row["cluster"] == row["rank"]  # clusters alternate, rank c holds cluster c
+        # JSON Lines without blank lines: record i (0-based) is on line i + 1.
+        assert row["source_index"] == row["source_line"] - 1
     _, body = _card(out)
     assert "The source declares no license" in body
     assert "| rank_0 | 7 | 0 | 1.2500 |" in body and "| rank_1 | 6 | 10 | 0.7500 |" in body
