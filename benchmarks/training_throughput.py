@@ -1,6 +1,7 @@
 """Where training compute goes: padded vs packed micro-batches, sample- vs token-balanced shards.
 
-    python benchmarks/training_throughput.py                      # both pools, CPU, ~70 min
+    python benchmarks/training_throughput.py                      # both pools, CPU, ~90 min
+    python benchmarks/training_throughput.py --modes a d --repeat 1   # the equal-token check
     python benchmarks/training_throughput.py --datasets python_stdlib --sweep
     # the timing core alone, on a GPU (one rank, bf16, a random ~1B Llama, saved lengths):
     python benchmarks/training_throughput.py core --lengths benchmarks/throughput_lengths.json \
@@ -14,14 +15,18 @@ optimizer step (K = 2 clusters = 2 ranks, ``torchrun --nproc_per_node=2``, gloo 
 - (b) **packed**: the same shards, padding-free micro-batches of up to ``--batch`` x the pool's
   mean sample length tokens, in rows of at most ``--row`` tokens;
 - (c) **packed and token-balanced**: every cluster keeps its peripheral samples up to the same
-  token budget (``balance: tokens``), packed as (b).
+  token budget (``balance: tokens``, the product's rule B = floor(r min_c L_c)), packed as (b);
+- (d) **packed and token-balanced at (a)'s tokens**: as (c), with the ratio chosen so that the
+  token budget is (a)'s real tokens / K (r' = T_a / (K min_c L_c)), so (d) trains the same
+  number of real tokens as (a), spread evenly over the ranks. (c) keeps 13-15 % more tokens than
+  (a) at the same r, so its time mixes more data with less waste; (d) separates the two.
 
 Per run: wall seconds of the training loop, real tokens per second, the useful-compute fraction
 (Σ real tokens / (ranks x the busiest rank's tensor tokens), per step, over the run), seconds the
-ranks waited for each other, and the final loss; ratios (c)/(a) and (b)/(a) against the targets
-(useful compute >= 0.95 for (c); time of (c) <= 0.75 of (a) on python_stdlib, <= 0.65 on
-alpaca_cherry_5pct). ``--sweep`` also times (c) with rows of 256, 512, 1,024 and 2,048 tokens (a
-fixed number of steps each) to find the fastest row bound on this machine.
+ranks waited for each other, and the final loss; ratios (c)/(a), (d)/(a) and (b)/(a) against
+the targets (useful compute >= 0.95 for (c) and (d); time <= 0.75 of (a) on python_stdlib,
+<= 0.65 on alpaca_cherry_5pct). ``--sweep`` also times (c) with rows of 256, 512, 1,024 and
+2,048 tokens (a fixed number of steps each) to find the fastest row bound on this machine.
 
 ``prepare`` (run first, automatically) selects the pools with the product itself: the built-in
 ``python_stdlib`` at the ``make run`` sizes (600 samples, 256 tokens) and the shared
@@ -64,6 +69,7 @@ SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 def prepare(datasets: list[str], work: Path, ratio: float) -> None:
     """Select each pool with the product's own stages (Dagster-free core functions) and save
     the shards of both balances: encoded samples to ``work``, lengths to :data:`LENGTHS`."""
+    import numpy as np
     import polars as pl
 
     from cluster_pipeline.data.datasets import build_instruction_table
@@ -109,14 +115,20 @@ def prepare(datasets: list[str], work: Path, ratio: float) -> None:
         by_id = dict(zip(train["sample_id"].to_list(), range(train.height), strict=True))
         settings = TrainSettings(max_length=sizes["max_length"])
         out: dict = {}
-        for balance in ("samples", "tokens"):
+        cluster_tokens = np.bincount(clusters.labels, weights=tokens, minlength=2)
+        for balance in ("samples", "tokens", "tokens_at_samples"):
+            r = ratio
+            if balance == "tokens_at_samples":
+                # (d): the budget B = floor(r' min_c L_c) equal to (a)'s tokens per rank.
+                kept = sum(sum(len(x) for x in rank["input_ids"]) for rank in out["samples"])
+                r = min(1.0, kept / (2 * float(cluster_tokens.min())))
             sel = select(
                 clusters.labels,
                 clusters.sq_distance,
                 2,
                 "peripheral",
-                ratio,
-                balance=balance,
+                r,
+                balance="samples" if balance == "samples" else "tokens",
                 lengths=tokens,
                 response_tokens=emb["n_response_tokens"].to_numpy(),
             )
@@ -230,7 +242,7 @@ def core(args) -> dict:
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    balance = "tokens" if args.mode == "c" else "samples"
+    balance = {"a": "samples", "b": "samples", "c": "tokens", "d": "tokens_at_samples"}[args.mode]
     if args.samples:
         saved = json.loads(Path(args.samples).read_text())
         spec = saved[balance]
@@ -254,7 +266,7 @@ def core(args) -> dict:
         shards, weights = [shards[args.rank_alone]], [weights[args.rank_alone]]
     model.train()
     model.config.use_cache = False
-    packed = args.mode in ("b", "c") and can_pack(model, vocab_size=model.config.vocab_size)
+    packed = args.mode in ("b", "c", "d") and can_pack(model, vocab_size=model.config.vocab_size)
     lengths = [[len(s) for s in sh] for sh in shards]
     if packed:
         max_tokens = args.max_tokens or int(round(args.batch * mean_length))
@@ -355,6 +367,11 @@ def _core_run(work: Path, dataset: str, mode: str, args, row: int, max_steps: in
     return json.loads(out.read_text())
 
 
+def _prepared(path: Path) -> bool:
+    """Whether ``prepare`` wrote this pool's shards with every balance the modes read."""
+    return path.exists() and "tokens_at_samples" in json.loads(path.read_text())
+
+
 def per_token(run: dict) -> float:
     """Wall seconds per real token of a run."""
     return run["wall_seconds"] / run["real_tokens"]
@@ -367,7 +384,7 @@ def main() -> None:
         p.add_argument("--samples", help="encoded shards written by prepare")
         p.add_argument("--lengths", help="saved lengths (random token ids)")
         p.add_argument("--dataset", default="python_stdlib")
-        p.add_argument("--mode", choices=["a", "b", "c"], required=True)
+        p.add_argument("--mode", choices=["a", "b", "c", "d"], required=True)
         p.add_argument("--model", help="a save_pretrained folder")
         p.add_argument("--random-llama", choices=["1b"], help="a randomly initialised Llama")
         p.add_argument("--attention", default="sdpa", help="attn_implementation")
@@ -398,6 +415,13 @@ def main() -> None:
     p.add_argument(
         "--repeat", type=int, default=2, help="runs of each mode, interleaved; the fastest counts"
     )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["a", "b", "c", "d"],
+        choices=["a", "b", "c", "d"],
+        help="the runs to time ((a) is the baseline of every ratio and always runs)",
+    )
     p.add_argument("--prepare-only", action="store_true", help="select and save, time nothing")
     p.add_argument("--work", type=Path, default=Path("/tmp/training_throughput"))
     args = p.parse_args()
@@ -408,7 +432,8 @@ def main() -> None:
 
     args.model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     args.work.mkdir(parents=True, exist_ok=True)
-    todo = [d for d in args.datasets if not (args.work / f"{d}.json").exists()]
+    args.modes = ["a", *[m for m in args.modes if m != "a"]]
+    todo = [d for d in args.datasets if not _prepared(args.work / f"{d}.json")]
     if todo:
         prepare(todo, args.work, args.ratio)
     if args.prepare_only:
@@ -417,7 +442,7 @@ def main() -> None:
     for name in args.datasets:
         # Interleaved repeats (a b c a b c): the machine's other load shifts all three alike;
         # the fastest run of each mode counts, every run is kept in results.json.
-        tries: dict[str, list[dict]] = {"a": [], "b": [], "c": []}
+        tries: dict[str, list[dict]] = {m: [] for m in args.modes}
         for _ in range(args.repeat):
             for m in tries:
                 tries[m].append(_core_run(args.work, name, m, args, args.row, None))
@@ -431,7 +456,12 @@ def main() -> None:
             f"{'run':>22} {'steps':>5} {'wall s':>8} {'real tok/s':>10} {'useful':>7} "
             f"{'wait s/rank':>14} {'samples/rank':>13} {'final loss':>10} {'time / (a)':>10}"
         )
-        labels = {"a": "(a) padded, samples", "b": "(b) packed, samples", "c": "(c) packed, tokens"}
+        labels = {
+            "a": "(a) padded, samples",
+            "b": "(b) packed, samples",
+            "c": "(c) packed, tokens",
+            "d": "(d) tokens at (a)'s",
+        }
         for m, r in runs.items():
             print(
                 f"{labels[m]:>22} {r['steps']:>5} {r['wall_seconds']:>8.1f} "
@@ -440,14 +470,18 @@ def main() -> None:
                 f"{r['final_loss']:>10.4f} {r['wall_seconds'] / a['wall_seconds']:>10.3f}"
             )
         target = 0.75 if name == "python_stdlib" else 0.65
-        c = runs["c"]
-        print(
-            f"   targets: useful compute of (c) {c['useful_compute_fraction']:.3f} (>= 0.95); "
-            f"time (c)/(a) {c['wall_seconds'] / a['wall_seconds']:.3f} (<= {target}); real "
-            f"tokens (c)/(a) {c['real_tokens'] / a['real_tokens']:.3f}; seconds per real token "
-            f"(c)/(a) {per_token(c) / per_token(a):.3f}, (b)/(a) "
-            f"{per_token(runs['b']) / per_token(a):.3f}"
-        )
+        for m in ("c", "d"):
+            if m not in runs:
+                continue
+            r = runs[m]
+            print(
+                f"   {labels[m]}: useful compute {r['useful_compute_fraction']:.3f} (>= 0.95); "
+                f"time / (a) {r['wall_seconds'] / a['wall_seconds']:.3f} (<= {target}); real "
+                f"tokens / (a) {r['real_tokens'] / a['real_tokens']:.3f}; seconds per real "
+                f"token / (a) {per_token(r) / per_token(a):.3f}"
+            )
+        if "b" in runs:
+            print(f"   (b): seconds per real token / (a) {per_token(runs['b']) / per_token(a):.3f}")
         if args.sweep:
             sweep = {}
             for row in (256, 512, 1024, 2048):
