@@ -39,7 +39,10 @@ KNOBS: dict[str, tuple[type[dg.Config], tuple[str, ...]]] = {
         ProxyEmbeddingsConfig,
         ("max_length", "world_size", "bf16", "max_packed_length"),
     ),
-    BALANCED_CLUSTERS: (BalancedClustersConfig, ("num_clusters", "alpha")),
+    BALANCED_CLUSTERS: (
+        BalancedClustersConfig,
+        ("num_clusters", "alpha", "restarts", "niter", "seed"),
+    ),
     PERIPHERAL_SUBSETS: (PeripheralSubsetsConfig, ("selector", "ratio", "balance")),
     TRAINED_CHECKPOINT: (
         TrainedCheckpointConfig,

@@ -22,17 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
 from cluster_pipeline.data.datasets import build_instruction_table
 from cluster_pipeline.data.formats import Sample, read_dataset_folder
-from cluster_pipeline.evaluation.suites import SUITES, CodeProblem, code_request, find_eval_file
+
+# evaluation.suites imports torch; it is imported where it is used, so that the run checks (and
+# with them the Dagster definitions, loaded by every step process) import no torch.
+if TYPE_CHECKING:
+    from cluster_pipeline.evaluation.suites import CodeProblem
 
 TARGET_FORM = "target"
 
 
 def _code_sample(name: str, i: int, problem: CodeProblem) -> Sample:
+    from cluster_pipeline.evaluation.suites import code_request
+
     answer = problem.prompt + (problem.solution or "")
     return Sample(
         prompt=code_request(problem)[0]["content"],
@@ -73,6 +80,8 @@ def target_problem(
     :data:`SUITES` nor an existing folder, or a benchmark whose file is in none of ``folders``
     (not looked for when ``folders`` is None). Reads nothing but file names (run checks call
     it before any step); ``selector`` names who needs it."""
+    from cluster_pipeline.evaluation.suites import SUITES, find_eval_file
+
     if not target:
         benchmarks = ", ".join(SUITES)
         return f"{selector} needs a target set: a benchmark ({benchmarks}) or a folder of samples"
@@ -100,6 +109,8 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
         ValueError: :func:`target_problem`'s reasons, or the set holds no sample.
         DatasetFormatError: a folder's file or record cannot be read (names file and line).
     """
+    from cluster_pipeline.evaluation.suites import SUITES, find_eval_file
+
     problem = target_problem(target, folders)
     if problem is not None:
         raise ValueError(f"target {target!r}: {problem}")

@@ -69,7 +69,9 @@ def test_run_config_prints_the_profile_and_refuses_an_unknown_one(capsys):
 
     main(["run-config", "gpu8", "--assets", "balanced_clusters"])
     assert yaml.safe_load(capsys.readouterr().out)["ops"] == {
-        "balanced_clusters": {"config": {"num_clusters": 8, "alpha": 1.5}}
+        "balanced_clusters": {
+            "config": {"num_clusters": 8, "alpha": 1.5, "restarts": 10, "niter": 300, "seed": 0}
+        }
     }
     with pytest.raises(SystemExit) as exit_:
         main(["run-config", "gpu9"])
