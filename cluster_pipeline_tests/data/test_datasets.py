@@ -19,6 +19,9 @@ from cluster_pipeline.data.formats import Sample
 from cluster_pipeline.data.stdlib_dataset import iter_stdlib_samples
 from cluster_pipeline.storage.layout import storage_name
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("datasets")
+
 
 def _samples(n, dup=0):
     out = [Sample(f"p{i}", f"r{i}", "", "alpaca", "f.jsonl", i + 1) for i in range(n)]

@@ -20,6 +20,9 @@ from cluster_pipeline.data.tokenization import (
 )
 from cluster_pipeline_tests.helpers import CHATML, CHATML_TOOLS, FORGETFUL, build_tokenizer
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("tokenization")
+
 
 def _response_ids(sample):
     pairs = zip(sample.input_ids, sample.labels, strict=True)

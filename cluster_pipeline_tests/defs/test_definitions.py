@@ -8,6 +8,9 @@ from cluster_pipeline.defs.profiles import PROFILES, job_name, profile_run_confi
 from cluster_pipeline.defs.resources import TorchrunResource
 from cluster_pipeline.defs.stages import STAGES, ui_description
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("definitions")
+
 
 @pytest.fixture(scope="module")
 def definitions() -> dg.Definitions:

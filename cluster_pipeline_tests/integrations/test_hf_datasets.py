@@ -32,6 +32,9 @@ from cluster_pipeline.storage.layout import default_data_dir
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("hf_datasets")
+
 datasets = pytest.importorskip("datasets")
 
 

@@ -32,6 +32,9 @@ from cluster_pipeline.integrations.hf_trainer import (
 from cluster_pipeline.selection.sharding import ShardManifest, content_sha256
 from cluster_pipeline_tests.helpers import build_model, instructions_table, tiny_records
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("hf_trainer")
+
 datasets = pytest.importorskip("datasets")
 
 

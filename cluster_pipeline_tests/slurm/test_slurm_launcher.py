@@ -28,7 +28,8 @@ from cluster_pipeline_tests.helpers import (
 from cluster_pipeline_tests.slurm.defs import ENTRY, slurm_entry, slurm_torchrun
 from cluster_pipeline_tests.slurm.entry import FAILURE
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 ROOT = Path(__file__).resolve().parents[2]
 
 

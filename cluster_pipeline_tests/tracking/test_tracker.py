@@ -25,6 +25,9 @@ from cluster_pipeline.tracking.tracker import (
     resolve_store,
 )
 
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = pytest.mark.xdist_group("tracker")
+
 
 def _client(uri: str):
     from mlflow import MlflowClient

@@ -34,7 +34,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module: its module-scoped fixture starts once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("webui")]
 
 
 def _free_port() -> int:
