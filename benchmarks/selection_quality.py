@@ -39,9 +39,10 @@ the NLL of --humaneval HumanEval reference solutions (per problem); no generatio
 for this model). Prints, per group, the metrics (mean ± std over seeds), selection and training
 seconds, the subset's gradient diversity and the inter-rank gradient cosine during training,
 then every paired comparison (95 % bootstrap interval over items and seeds, verdict): each group
-against random_global (same budget) and full, and ``peripheral`` against each other peripheral
-variant (does the capacity rule matter, does re-weighting pay). Writes them to --out (JSON).
-Ratios printed: training seconds against full data, measured in the same run.
+against random_global (same budget) and full, ``peripheral`` against each other peripheral
+variant (does the capacity rule matter, does re-weighting pay), and each peer against
+``peripheral`` (added after the 2026-12-02 peers run, whose JSON lacks those pairs). Writes
+them to --out (JSON). Ratios printed: training seconds against full data, measured in the same run.
 
 The defaults (--pool 160, --heldout 160, --max-length 128, 3 seeds, 4 variants + full) train 15
 checkpoints and evaluate 16 models per dataset: about 45 minutes per dataset on an idle 2-core
@@ -275,6 +276,9 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         for v in args.plan
         if v.startswith("peripheral_") and "peripheral" in args.plan
     ]
+    # Each peer against CluSTER's own subset too, not only against random and full data.
+    if "peripheral" in args.plan:
+        extra += [(peer_group(selector, args), peripheral) for selector in args.peers]
     comparisons = compare_groups(results, rows, extra_pairs=extra)
     return {
         "dataset": name,
@@ -292,6 +296,11 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         "rows": rows,
         "comparisons": [c.to_dict() for c in comparisons],
     }
+
+
+def peer_group(selector: str, args) -> str:
+    """A peer's group name in the results: selector, ratio and (targeted ones) target set."""
+    return f"{selector} r={args.ratio}" + (f" target={args.target}" if selector in TARGETED else "")
 
 
 def run_peers(name: str, args, model_path: str, work: Path, train, heldout, evaluate, log) -> None:
@@ -360,9 +369,7 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
             wall = product.materialize(assets, run, f"{selector}_{seed}")
             chosen = product.metadata("peripheral_subsets")
             trained = product.metadata("trained_checkpoint")
-            group = f"{selector} r={args.ratio}" + (
-                f" target={args.target}" if selector in TARGETED else ""
-            )
+            group = peer_group(selector, args)
             checkpoint = str(trained["checkpoint_path"])
             ckpt = read_checkpoint(checkpoint)
             assert ckpt is not None, checkpoint
