@@ -2,7 +2,7 @@
 
     python benchmarks/training_throughput.py                      # both pools, CPU, ~90 min
     python benchmarks/training_throughput.py --modes a d --repeat 1   # the equal-token check
-    python benchmarks/training_throughput.py --datasets python_stdlib --sweep
+    python benchmarks/training_throughput.py --datasets python_stdlib --sweep-only   # row bounds
     # the timing core alone, on a GPU (one rank, bf16, a random ~1B Llama, saved lengths):
     python benchmarks/training_throughput.py core --lengths benchmarks/throughput_lengths.json \
         --dataset alpaca_cherry_5pct --mode c --random-llama 1b --bf16 --out result.json
@@ -26,7 +26,8 @@ Per run: wall seconds of the training loop, real tokens per second, the useful-c
 ranks waited for each other, and the final loss; ratios (c)/(a), (d)/(a) and (b)/(a) against
 the targets (useful compute >= 0.95 for (c) and (d); time <= 0.75 of (a) on python_stdlib,
 <= 0.65 on alpaca_cherry_5pct). ``--sweep`` also times (c) with rows of 256, 512, 1,024 and
-2,048 tokens (a fixed number of steps each) to find the fastest row bound on this machine.
+2,048 tokens (the same first 6 optimizer steps at every bound) to find the fastest row bound on
+this machine, each as a ratio to the default 512; ``--sweep-only`` times the sweep alone.
 
 ``prepare`` (run first, automatically) selects the pools with the product itself: the built-in
 ``python_stdlib`` at the ``make run`` sizes (600 samples, 256 tokens) and the shared
@@ -412,6 +413,7 @@ def main() -> None:
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--row", type=int, default=512, help="(b), (c): tokens per packed row")
     p.add_argument("--sweep", action="store_true", help="also time (c) at several row bounds")
+    p.add_argument("--sweep-only", action="store_true", help="time the row sweep, not the modes")
     p.add_argument(
         "--repeat", type=int, default=2, help="runs of each mode, interleaved; the fastest counts"
     )
@@ -440,63 +442,74 @@ def main() -> None:
         return
     results = {}
     for name in args.datasets:
-        # Interleaved repeats (a b c a b c): the machine's other load shifts all three alike;
-        # the fastest run of each mode counts, every run is kept in results.json.
-        tries: dict[str, list[dict]] = {m: [] for m in args.modes}
-        for _ in range(args.repeat):
-            for m in tries:
-                tries[m].append(_core_run(args.work, name, m, args, args.row, None))
-        runs = {m: min(t, key=lambda r: r["wall_seconds"]) for m, t in tries.items()}
-        results[name] = {**runs, "all": tries}
-        a = runs["a"]
-        print(
-            f"\n== {name} (K = 2 ranks, batch {args.batch} x {args.accumulation}, rows {args.row})"
-        )
-        print(
-            f"{'run':>22} {'steps':>5} {'wall s':>8} {'real tok/s':>10} {'useful':>7} "
-            f"{'wait s/rank':>14} {'samples/rank':>13} {'final loss':>10} {'time / (a)':>10}"
-        )
-        labels = {
-            "a": "(a) padded, samples",
-            "b": "(b) packed, samples",
-            "c": "(c) packed, tokens",
-            "d": "(d) tokens at (a)'s",
-        }
-        for m, r in runs.items():
-            print(
-                f"{labels[m]:>22} {r['steps']:>5} {r['wall_seconds']:>8.1f} "
-                f"{r['real_tokens_per_second']:>10.1f} {r['useful_compute_fraction']:>7.3f} "
-                f"{str(r['wait_seconds_per_rank']):>14} {str(r['samples_per_rank']):>13} "
-                f"{r['final_loss']:>10.4f} {r['wall_seconds'] / a['wall_seconds']:>10.3f}"
-            )
-        target = 0.75 if name == "python_stdlib" else 0.65
-        for m in ("c", "d"):
-            if m not in runs:
-                continue
-            r = runs[m]
-            print(
-                f"   {labels[m]}: useful compute {r['useful_compute_fraction']:.3f} (>= 0.95); "
-                f"time / (a) {r['wall_seconds'] / a['wall_seconds']:.3f} (<= {target}); real "
-                f"tokens / (a) {r['real_tokens'] / a['real_tokens']:.3f}; seconds per real "
-                f"token / (a) {per_token(r) / per_token(a):.3f}"
-            )
-        if "b" in runs:
-            print(f"   (b): seconds per real token / (a) {per_token(runs['b']) / per_token(a):.3f}")
-        if args.sweep:
-            sweep = {}
-            for row in (256, 512, 1024, 2048):
-                sweep[row] = _core_run(args.work, name, "c", args, row, 6)
-            results[name]["sweep"] = sweep
-            best = min(sweep, key=lambda k: sweep[k]["wall_seconds"] / sweep[k]["real_tokens"])
-            for row, r in sweep.items():
-                print(
-                    f"   rows <= {row:>4} tokens: "
-                    f"{1e3 * r['wall_seconds'] / r['real_tokens']:.3f} ms per real token over "
-                    f"{r['steps']} steps ({r['real_tokens_per_second']:.1f} tok/s)"
-                    + ("  <- fastest" if row == best else "")
-                )
+        results[name] = {} if args.sweep_only else _time_modes(args, name)
+        if args.sweep or args.sweep_only:
+            results[name]["sweep"] = _sweep(args, name)
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nresults: {args.work / 'results.json'}")
+
+
+def _time_modes(args, name: str) -> dict:
+    """Each of ``args.modes`` timed ``args.repeat`` times, interleaved; printed with the ratios
+    to (a). Returns {mode: fastest run, "all": every run}."""
+    # Interleaved repeats (a b c a b c): the machine's other load shifts all three alike;
+    # the fastest run of each mode counts, every run is kept in results.json.
+    tries: dict[str, list[dict]] = {m: [] for m in args.modes}
+    for _ in range(args.repeat):
+        for m in tries:
+            tries[m].append(_core_run(args.work, name, m, args, args.row, None))
+    runs = {m: min(t, key=lambda r: r["wall_seconds"]) for m, t in tries.items()}
+    a = runs["a"]
+    print(f"\n== {name} (K = 2 ranks, batch {args.batch} x {args.accumulation}, rows {args.row})")
+    print(
+        f"{'run':>22} {'steps':>5} {'wall s':>8} {'real tok/s':>10} {'useful':>7} "
+        f"{'wait s/rank':>14} {'samples/rank':>13} {'final loss':>10} {'time / (a)':>10}"
+    )
+    labels = {
+        "a": "(a) padded, samples",
+        "b": "(b) packed, samples",
+        "c": "(c) packed, tokens",
+        "d": "(d) tokens at (a)'s",
+    }
+    for m, r in runs.items():
+        print(
+            f"{labels[m]:>22} {r['steps']:>5} {r['wall_seconds']:>8.1f} "
+            f"{r['real_tokens_per_second']:>10.1f} {r['useful_compute_fraction']:>7.3f} "
+            f"{str(r['wait_seconds_per_rank']):>14} {str(r['samples_per_rank']):>13} "
+            f"{r['final_loss']:>10.4f} {r['wall_seconds'] / a['wall_seconds']:>10.3f}"
+        )
+    target = 0.75 if name == "python_stdlib" else 0.65
+    for m in ("c", "d"):
+        if m not in runs:
+            continue
+        r = runs[m]
+        print(
+            f"   {labels[m]}: useful compute {r['useful_compute_fraction']:.3f} (>= 0.95); "
+            f"time / (a) {r['wall_seconds'] / a['wall_seconds']:.3f} (<= {target}); real "
+            f"tokens / (a) {r['real_tokens'] / a['real_tokens']:.3f}; seconds per real "
+            f"token / (a) {per_token(r) / per_token(a):.3f}"
+        )
+    if "b" in runs:
+        print(f"   (b): seconds per real token / (a) {per_token(runs['b']) / per_token(a):.3f}")
+    return {**runs, "all": tries}
+
+
+def _sweep(args, name: str) -> dict:
+    """(c) timed for its first 6 optimizer steps at each row bound (256, 512, 1,024, 2,048
+    tokens; a sample longer than the bound has a row to itself); printed as ms per real token
+    and as a ratio to rows of 512 (the default). Returns {row bound: run}."""
+    sweep = {row: _core_run(args.work, name, "c", args, row, 6) for row in (256, 512, 1024, 2048)}
+    best = min(sweep, key=lambda k: per_token(sweep[k]))
+    base = per_token(sweep[512])
+    print(f"\n== {name}: (c) at each row bound, 6 steps each")
+    for row, r in sweep.items():
+        print(
+            f"   rows <= {row:>4} tokens: {1e3 * per_token(r):.3f} ms per real token over "
+            f"{r['steps']} steps ({r['real_tokens_per_second']:.1f} tok/s, "
+            f"{r['tensor_tokens']} tensor tokens), "
+            f"{per_token(r) / base:.3f} of rows <= 512" + ("  <- fastest" if row == best else "")
+        )
+    return sweep
 
 
 if __name__ == "__main__":
