@@ -42,10 +42,12 @@ class Project:
     env: dict[str, str]
 
     @classmethod
-    def create(cls, root: Path, model_dir: Path, datasets: tuple[str, ...] = ("tiny",)) -> Project:
+    def create(
+        cls, root: Path, model_dir: Path, datasets: tuple[str, ...] = ("tiny",), records: int = 60
+    ) -> Project:
         data, home = root / "data", root / "home"
         for name in datasets:
-            write_jsonl(data / "raw" / name / "samples.jsonl", tiny_records(60))
+            write_jsonl(data / "raw" / name / "samples.jsonl", tiny_records(records))
         env = {
             **os.environ,
             "DAGSTER_HOME": str(home),

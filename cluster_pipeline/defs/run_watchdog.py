@@ -1,39 +1,69 @@
-"""The watchdog of one run: marks the run failed if its worker process dies before the run ends.
+"""The watchdog of one run: marks the run failed if its worker process dies before the run's end
+is recorded.
 
     python -m cluster_pipeline.defs.run_watchdog <run id> <worker pid> <dataset>
 
 Started by the project's executor (``defs/executor.py``) in its own session (a Ctrl-C or a kill
 of the run's process group spares it), it reads the Dagster instance's reference (serialized)
-from stdin, then waits on stdin. The worker writes ``done`` when the run ends; end of file
-without it means the worker died (``kill -9``, the out-of-memory killer), and the watchdog
-marks the run failed, if nothing else has (for a run launched by the daemon the code server
-may already have), so it does not stay STARTED forever and block the run queue. Its steps die
-with the worker (``launch/fate.py``); every table, embedding chunk and checkpoint finished
-before stays, and re-executing the run resumes from them.
+from stdin, then waits on stdin. The worker writes ``done`` when its plan ends; Dagster records
+the run's end (success or failure) after that, in the same worker. So the watchdog then waits
+for the worker to exit and checks that the run was marked finished. End of file without
+``done`` means the worker died mid-plan (``kill -9``, the out-of-memory killer); a worker killed
+between the end of its plan and the record of the run's end (``cluster-pipeline dev``'s SIGKILL
+after SIGTERM) leaves the same hole. In both cases the watchdog marks the run failed, if nothing
+else has (for a run launched by the daemon the code server may already have), so it does not
+stay STARTED forever and block the run queue. Its steps die with the worker
+(``launch/fate.py``); every table, embedding chunk and checkpoint finished before stays, and
+re-executing the run resumes from them.
 """
 
 import os
 import sys
+import time
+
+POLL_S = 0.2
+
+
+def worker_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, exited but not yet reaped, counts as gone).
+
+    Uses psutil; a process of another user counts as alive."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
 
 
 def main(run_id: str, worker_pid: int, dataset: str) -> None:
-    """Wait for the worker ``worker_pid``; mark ``run_id`` failed if it dies before "done"."""
+    """Wait for the worker ``worker_pid``; mark ``run_id`` failed if it ends before the run's end
+    is recorded."""
     ref = sys.stdin.readline()
-    if sys.stdin.read().strip().startswith("done"):
-        return
+    plan_ended = sys.stdin.read().strip().startswith("done")
+    if plan_ended:
+        while not worker_gone(worker_pid):
+            time.sleep(POLL_S)
     # Import Dagster only now: the watchdog sits idle for the whole run.
     import dagster as dg
 
     instance = dg.DagsterInstance.from_ref(dg.deserialize_value(ref.strip()))  # pyright: ignore[reportArgumentType]
     run = instance.get_run_by_id(run_id)
     if run is not None and not run.is_finished:
+        when = (
+            "after its steps ended but before it recorded the run's end"
+            if plan_ended
+            else "before the run ended"
+        )
         instance.report_run_failed(
             run,
-            f"the worker process of this run (pid {worker_pid}) died before the run ended "
-            "(killed by a signal, or out of memory); its step processes, torchrun launchers "
-            f"and ranks stopped with it and committed nothing after. Dataset partition "
-            f"{dataset!r} is free again; re-execute the run to resume it (finished tables, "
-            "embedding chunks and checkpoints are kept).",
+            f"the worker process of this run (pid {worker_pid}) died {when} (killed by a "
+            "signal, or out of memory); its step processes, torchrun launchers and ranks "
+            f"stopped with it and committed nothing after. Dataset partition {dataset!r} is "
+            "free again; re-execute the run to resume it (finished tables, embedding chunks and "
+            "checkpoints are kept).",
         )
     # Exit at once: disposing of the instance took seconds on a busy machine, and the event is
     # committed.
