@@ -37,7 +37,15 @@ from cluster_pipeline.training import plan as plan_module
 from cluster_pipeline.training.plan import MicroBatch, Step
 
 LENGTHS = Path(__file__).resolve().parent / "throughput_lengths.json"
-SHAPES = [(727, 256), (727, 512), (1024, 256), (1024, 512), (1024, 1024), (2048, 1024), (8192, 4096)]
+SHAPES = [
+    (727, 256),
+    (727, 512),
+    (1024, 256),
+    (1024, 512),
+    (1024, 1024),
+    (2048, 1024),
+    (8192, 4096),
+]
 Rows = Callable[[Sequence[int], int], list[list[int]]]
 
 

@@ -94,12 +94,6 @@ class SequenceSettings(BaseModel):
     )
 
 
-# The default row bound where a sample may be longer (max_length above it); measured fastest on
-# CPU against 256, 1,024 and 2,048 for 1,024-token samples, and rows of max_length fastest for
-# 256-token ones (benchmarks/training_throughput.py --sweep-only).
-DEFAULT_ROW_TOKENS = 512
-
-
 class PackingSettings(BaseModel):
     """Whether and how batches are packed; the same knobs in the embedding pass, training and
     the held-out loss (module docstring)."""
@@ -113,23 +107,14 @@ class PackingSettings(BaseModel):
         "padded to the longest. Models that cannot pack fall back to padding (one log line "
         "says so).",
     )
-    max_packed_length: int | None = Field(
-        default=None,
+    max_packed_length: int = Field(
+        default=512,
         ge=1,
-        description="Tokens per packed row (a batch holds several rows; a longer sample has a "
-        "row to itself). null: min(512, max_length), the fastest bound measured on CPU, where "
-        "sdpa pays for a row's whole square score matrix (benchmarks/RESULTS.md, 'The row "
-        "bound'). GPUs with flash-attention can take longer rows (the gpu8 profile: 4096).",
+        description="Tokens per packed row (a batch holds several rows). On CPU attention costs "
+        "the square of a row's length, so rows are kept short: 512 was the fastest bound "
+        "measured at the make-run shape (benchmarks/RESULTS.md, 'The row bound'); GPUs with "
+        "flash-attention can take longer rows.",
     )
-
-    def row_tokens(self) -> int:
-        """Tokens per packed row: ``max_packed_length``, or where it is null
-        min(:data:`DEFAULT_ROW_TOKENS`, ``max_length``) (settings that carry no max_length,
-        such as a bare ``PackingSettings()``: :data:`DEFAULT_ROW_TOKENS`)."""
-        if self.max_packed_length is not None:
-            return self.max_packed_length
-        max_length = getattr(self, "max_length", None)
-        return min(DEFAULT_ROW_TOKENS, max_length or DEFAULT_ROW_TOKENS)
 
 
 class ChatTemplateError(ValueError):

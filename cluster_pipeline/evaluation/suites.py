@@ -116,8 +116,8 @@ def response_losses(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(response tokens T, mean cross-entropy in nats/token) per sample, each (n,), in the
     order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss. Batches are
-    packed per ``packing`` (default: packed rows of up to 512 tokens; ``row_tokens``) where the
-    model can pack; the numbers do not depend on it."""
+    packed per ``packing`` (default: packed rows of up to 512 tokens) where the model can pack;
+    the numbers do not depend on it."""
     packing = packing or PackingSettings()
     out, _ = embed_samples(
         model,
@@ -126,7 +126,7 @@ def response_losses(
         max_batch_size=max_batch_size,
         max_batch_tokens=max_batch_tokens,
         packing=packing.packing,
-        max_packed_length=packing.row_tokens(),
+        max_packed_length=packing.max_packed_length,
     )
     return out.n_response_tokens, np.where(out.n_response_tokens > 0, out.mean_loss, np.nan)
 

@@ -72,7 +72,7 @@ def embed_frame(
         max_batch_size=settings.max_batch_size,
         max_batch_tokens=settings.max_batch_tokens,
         packing=settings.packing,
-        max_packed_length=settings.row_tokens(),
+        max_packed_length=settings.max_packed_length,
         chunk_rows=lm_head_chunk_rows,
         autocast_dtype=torch.bfloat16 if settings.bf16 else None,
         on_batch=on_batch,

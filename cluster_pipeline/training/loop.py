@@ -172,7 +172,7 @@ def plan_steps(
         plans = plan_packed(
             lengths,
             cfg.max_tokens_per_micro_batch,
-            cfg.row_tokens(),
+            cfg.max_packed_length,
             cfg.gradient_accumulation_steps,
             cfg.epochs,
             cfg.seed,
@@ -545,7 +545,7 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
         f"{run.total_steps} steps ("
         + (
             f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
-            f"up to {cfg.row_tokens()}"
+            f"up to {cfg.max_packed_length}"
             if run.packed
             else f"padded: batch {cfg.per_device_batch_size}"
         )

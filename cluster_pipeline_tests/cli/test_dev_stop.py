@@ -156,8 +156,8 @@ def test_a_run_in_progress_stays_resumable(tmp_path, tiny_model_dir):
                 "--tags", '{"dagster/partition": "tiny"}',
             )  # fmt: skip
             assert out.returncode == 0, out.stdout[-3000:]
-            ranks = wait_for(
-                lambda: (r := processes(runs_module(EMBED, project))) and len(r) == 2 and r,
+            ranks: list[psutil.Process] = wait_for(
+                lambda: r if len(r := processes(runs_module(EMBED, project))) == 2 else None,
                 600,
                 "embedding",
             )

@@ -9,7 +9,6 @@ import pytest
 from cluster_pipeline.data.tokenization import (
     IGNORE_INDEX,
     ChatTemplateError,
-    PackingSettings,
     SequenceSettings,
     collate,
     encode_conversation,
@@ -442,27 +441,3 @@ def test_the_built_in_template_cannot_render_tools(smollm2_tokenizer):
     with pytest.raises(ChatTemplateError) as e:
         encode_conversation(smollm2_tokenizer, TOOL_DIALOGUE, 512, tools=TOOLS)
     assert str(e.value) == NO_TOOLS
-
-
-@pytest.mark.parametrize(
-    ("max_length", "max_packed_length", "rows"),
-    [
-        (256, None, 256),  # make run: rows of max_length (fastest for 256-token samples)
-        (128, None, 128),
-        (512, None, 512),
-        (1024, None, 512),  # alpaca at 1,024: rows of 512 (fastest measured)
-        (2048, None, 512),
-        (256, 4096, 4096),  # an explicit bound is kept, also above max_length (gpu8)
-        (1024, 64, 64),
-    ],
-)
-def test_the_row_bound_defaults_to_512_or_max_length(max_length, max_packed_length, rows):
-    from cluster_pipeline.training.config import EmbedSettings, TrainSettings
-
-    for cls in (TrainSettings, EmbedSettings):
-        settings = cls(max_length=max_length, max_packed_length=max_packed_length)
-        assert settings.row_tokens() == rows
-    # Settings without a max_length: 512, or the explicit bound.
-    assert PackingSettings(max_packed_length=max_packed_length).row_tokens() == (
-        max_packed_length or 512
-    )

@@ -120,7 +120,7 @@ def test_runs_without_config_get_the_cpu_quick_sizes(definitions):
     }
     train = ops["trained_checkpoint"]["config"]
     assert (train["max_length"], train["max_tokens_per_micro_batch"]) == (256, 1024)
-    assert train["max_packed_length"] is None  # rows of min(512, max_length) = 256 tokens
+    assert train["max_packed_length"] == 512
     assert (train["gradient_accumulation_steps"], train["epochs"]) == (2, 1)
     assert train["learning_rate"] == 1e-4
     evaluation = ops["eval_report"]["config"]

@@ -58,7 +58,7 @@ def test_the_settings_plan_at_least_the_steps_asked_for(packing):
     packed = plan_packed(
         per_rank,
         settings.max_tokens_per_micro_batch,
-        settings.row_tokens(),
+        settings.max_packed_length,
         settings.gradient_accumulation_steps,
         settings.epochs,
         settings.seed,
