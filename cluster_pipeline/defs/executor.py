@@ -19,6 +19,7 @@ this is the one place that sees each run start and end, whoever started it:
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -199,16 +200,29 @@ def _start_watchdog(instance: dg.DagsterInstance, run_id: str, dataset: str):
     assert watchdog.stdin is not None
     watchdog.stdin.write(dg.serialize_value(instance.get_ref()) + "\n")
     watchdog.stdin.flush()
+    # At this process's normal exit, after Dagster recorded the run's end: "exit" (a kill
+    # leaves the watchdog end of file instead).
+    atexit.register(_worker_exits, watchdog)
     return watchdog
 
 
 def _stop_watchdog(watchdog: subprocess.Popen) -> None:
-    """Tell the watchdog the plan ended here: it waits for this worker to exit, then marks the
-    run failed only if its end was never recorded (defs/run_watchdog.py). Not waited for: it
-    outlives this process by design."""
+    """Tell the watchdog the plan ended here. Dagster records the run's end after this, in this
+    process; the watchdog exits at this process's normal exit (:func:`_worker_exits`) and marks
+    the run failed if the process is killed before it (defs/run_watchdog.py)."""
     try:
         assert watchdog.stdin is not None
         watchdog.stdin.write("done\n")
-        watchdog.stdin.close()
+        watchdog.stdin.flush()
     except OSError:
         watchdog.kill()
+
+
+def _worker_exits(watchdog: subprocess.Popen) -> None:
+    """At this process's normal exit: "exit" to the watchdog, which then ends without looking."""
+    try:
+        assert watchdog.stdin is not None
+        watchdog.stdin.write("exit\n")
+        watchdog.stdin.close()
+    except (OSError, ValueError):  # the watchdog is gone, or its pipe already closed
+        pass

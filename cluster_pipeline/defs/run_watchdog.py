@@ -5,47 +5,29 @@ is recorded.
 
 Started by the project's executor (``defs/executor.py``) in its own session (a Ctrl-C or a kill
 of the run's process group spares it), it reads the Dagster instance's reference (serialized)
-from stdin, then waits on stdin. The worker writes ``done`` when its plan ends; Dagster records
-the run's end (success or failure) after that, in the same worker. So the watchdog then waits
-for the worker to exit and checks that the run was marked finished. End of file without
-``done`` means the worker died mid-plan (``kill -9``, the out-of-memory killer); a worker killed
-between the end of its plan and the record of the run's end (``cluster-pipeline dev``'s SIGKILL
-after SIGTERM) leaves the same hole. In both cases the watchdog marks the run failed, if nothing
-else has (for a run launched by the daemon the code server may already have), so it does not
-stay STARTED forever and block the run queue. Its steps die with the worker
+from stdin, then waits on stdin. The worker writes ``done`` when its plan ends and ``exit`` at
+its normal exit, after Dagster recorded the run's end (success or failure). End of file without
+both means the worker was killed: mid-plan (``kill -9``, the out-of-memory killer), or between
+the end of its plan and the record of the run's end (``cluster-pipeline dev``'s SIGKILL after
+SIGTERM landed there once and left the run STARTED). Then the watchdog marks the run failed, if
+nothing else has (for a run launched by the daemon the code server may already have), so it
+does not stay STARTED forever and block the run queue. Its steps die with the worker
 (``launch/fate.py``); every table, embedding chunk and checkpoint finished before stays, and
 re-executing the run resumes from them.
 """
 
 import os
 import sys
-import time
-
-POLL_S = 0.2
-
-
-def worker_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie, exited but not yet reaped, counts as gone).
-
-    Uses psutil; a process of another user counts as alive."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
 
 
 def main(run_id: str, worker_pid: int, dataset: str) -> None:
     """Wait for the worker ``worker_pid``; mark ``run_id`` failed if it ends before the run's end
     is recorded."""
     ref = sys.stdin.readline()
-    plan_ended = sys.stdin.read().strip().startswith("done")
-    if plan_ended:
-        while not worker_gone(worker_pid):
-            time.sleep(POLL_S)
+    said = sys.stdin.read().split()  # until the worker's exit closes the pipe
+    plan_ended = "done" in said
+    if plan_ended and "exit" in said:
+        return
     # Import Dagster only now: the watchdog sits idle for the whole run.
     import dagster as dg
 
