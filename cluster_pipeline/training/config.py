@@ -61,10 +61,12 @@ class GradientPass(_Model):
     preconditioner: Literal["adam", "sgd"] = "adam"
     projection_dim: int = Field(default=8192, ge=1, description="d of the projection.")
     projection_seed: int = Field(default=0, ge=0, description="Seed of the projection.")
-    project_rows: int = Field(
-        default=64,
+    project_rows: int | None = Field(
+        default=None,
         ge=1,
-        description="Gradients projected together (the matrix is rebuilt once per group).",
+        description="Gradients projected together (the matrix is rebuilt once per group); "
+        "None: as many as 1 GiB of float32 gradients holds (for SmolLM2-135M's rank-8 LoRA, "
+        "582, so about one rebuild per chunk of 512).",
     )
 
 

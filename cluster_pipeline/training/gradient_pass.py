@@ -8,7 +8,8 @@ checkpoint (selection/gradient_features.py):
 
 with ``mean_loss`` the sample's mean response loss under the checkpoint. Samples are batched
 by length (padded, ``max_batch_size`` / ``max_batch_tokens``); one backward pass per batch
-gives every sample's gradient; gradients are projected ``project_rows`` at a time.
+gives every sample's gradient; gradients are projected in groups of ``project_rows`` (by
+default as many as :data:`PROJECT_BYTES` holds), each group rebuilding the projection matrix once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from cluster_pipeline.storage.embedding_cache import CHUNK_SCHEMA
 from cluster_pipeline.training.checkpointing import TRAINING_STATE
 from cluster_pipeline.training.config import EmbedSettings, GradientPass
 
+PROJECT_BYTES = 2**30  # float32 gradients held for one projection group (GradientPass)
+
 
 class GradientModel:
     """The base model with a warm-up checkpoint's LoRA adapter (trainable, eval mode: no
@@ -57,12 +60,15 @@ class GradientModel:
                     f"adapter {dim} trainable parameters"
                 )
         self.project = RademacherProjection(dim, spec.projection_dim, spec.projection_seed)
+        self.group_rows = spec.project_rows or max(1, PROJECT_BYTES // (4 * dim))
+
+    def precondition(self, grads: torch.Tensor) -> torch.Tensor:
+        """(B, P) gradients -> (B, P) float32 Gamma(g) for ``adam``, g itself for ``sgd``."""
+        return adam_precondition(grads, self.adam) if self.adam is not None else grads.float()
 
     def features(self, grads: torch.Tensor) -> torch.Tensor:
         """(B, P) gradients -> (B, d) float32 normalised projected (preconditioned) ones."""
-        if self.adam is not None:
-            grads = adam_precondition(grads, self.adam)
-        return normalise_rows(self.project(grads))
+        return normalise_rows(self.project(self.precondition(grads)))
 
 
 def gradient_frame(
@@ -92,7 +98,7 @@ def gradient_frame(
         if not pending:
             return
         rows = [i for idx, _ in pending for i in idx]
-        out = gm.features(torch.cat([g for _, g in pending]))
+        out = normalise_rows(gm.project(torch.cat([g for _, g in pending])))
         features[rows] = out.cpu().numpy()
         pending.clear()
 
@@ -101,8 +107,8 @@ def gradient_frame(
         batch = collate_rows(encoded, [[i] for i in idx], tokenizer.pad_token_id, packed=False)
         grads, losses = per_sample_gradients(gm.model, batch, autocast)
         loss[idx] = losses.float().cpu().numpy()
-        pending.append((idx, grads))
-        if sum(len(i) for i, _ in pending) >= gm.spec.project_rows:
+        pending.append((idx, gm.precondition(grads)))
+        if sum(len(i) for i, _ in pending) >= gm.group_rows:
             flush()
         if on_batch is not None:
             on_batch(len(idx), real_tokens(batch))

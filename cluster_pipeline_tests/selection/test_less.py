@@ -135,6 +135,21 @@ def test_the_rademacher_matrix_is_seeded_balanced_and_blockwise_consistent():
     assert abs(float(r.mean())) < 0.01  # 153,600 signs: std of the mean 0.0026
     assert torch.equal(rademacher_rows(100, 50, 512, 3, "cpu"), r[100:150])
     assert not torch.equal(rademacher_rows(0, 300, 512, 4, "cpu"), r)
+
+    def mix(x: int) -> int:  # the docstring's hash, in Python integers
+        x &= 0xFFFFFFFF
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        return (x >> 16) ^ x
+
+    seed = (3 * 0x9E3779B1) % 2**32
+    for i, j in [(0, 0), (0, 31), (7, 32), (299, 511), (123, 200)]:
+        bit = (mix(mix(i + seed) + j // 32) >> (j % 32)) & 1
+        assert r[i, j] == (1.0 if bit else -1.0)
+    # d not a multiple of 32: the first d columns of the next multiple's matrix
+    assert torch.equal(
+        rademacher_rows(5, 3, 40, 3, "cpu"), rademacher_rows(5, 3, 64, 3, "cpu")[:, :40]
+    )
     x = torch.randn(5, 300)
     whole = RademacherProjection(300, 512, seed=3, block_rows=1000)(x)
     blocks = RademacherProjection(300, 512, seed=3, block_rows=7)(x)
