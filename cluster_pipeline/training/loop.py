@@ -65,7 +65,13 @@ from cluster_pipeline.training.memory import (
     peak_memory_bytes,
 )
 from cluster_pipeline.training.parallel import apply_lora, gradient_sync, is_fsdp, total_norm, wrap
-from cluster_pipeline.training.plan import Step, plan_packed, plan_padded, useful_compute_fraction
+from cluster_pipeline.training.plan import (
+    Step,
+    packing_notes,
+    plan_packed,
+    plan_padded,
+    useful_compute_fraction,
+)
 from cluster_pipeline.training.step import accumulate, clock
 
 
@@ -139,6 +145,7 @@ class TrainRun:
     weight: float
     plan: list[Step]
     packed: bool
+    plan_notes: list[str]
     manifest_hashes: list[str]
     resumed_from: Path | None
     memory: MemoryTrace
@@ -160,15 +167,19 @@ class TrainRun:
 
 def plan_steps(
     encoded: list[EncodedSample], cfg: TrainSettings, packed: bool, env: DistEnv
-) -> list[Step]:
+) -> tuple[list[Step], list[str]]:
     """This rank's step plan (training/plan.py), computed from every rank's sample lengths
-    (gathered: a collective) so that every rank plans the same steps and micro-batch counts.
+    (gathered: a collective) so that every rank plans the same steps and micro-batch counts,
+    and the packed plan's notes for the log (:func:`~cluster_pipeline.training.plan.
+    packing_notes`; none for a padded plan).
 
     Raises:
         ValueError: the ranks' plans differ in length (a bug: they are computed alike).
     """
     lengths = _gather_objects([len(e) for e in encoded], env)
+    notes: list[str] = []
     if packed:
+        notes = packing_notes(lengths, cfg.max_tokens_per_micro_batch, cfg.max_packed_length)
         plans = plan_packed(
             lengths,
             cfg.max_tokens_per_micro_batch,
@@ -189,7 +200,7 @@ def plan_steps(
         )
     if len({len(p) for p in plans}) != 1:
         raise ValueError(f"the ranks' plans differ in length: {[len(p) for p in plans]}")
-    return plans[env.rank]
+    return plans[env.rank], notes
 
 
 def packing_works(model, vocab_size: int, cfg: TrainSettings, env: DistEnv) -> bool:
@@ -272,7 +283,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         load_into_shards(model, files, env.device)
         memory.mark("shards loaded")
     packed = packing_works(parallel_model, len(tokenizer), cfg, env)
-    plan = plan_steps(encoded, cfg, packed, env)
+    plan, plan_notes = plan_steps(encoded, cfg, packed, env)
     steps = len(plan)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
@@ -294,6 +305,7 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         weight=manifest.weight if cfg.reweight else 1.0,
         plan=plan,
         packed=packed,
+        plan_notes=plan_notes,
         manifest_hashes=manifest_hashes,
         resumed_from=resume,
         memory=memory,
@@ -545,7 +557,7 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
         f"{run.total_steps} steps ("
         + (
             f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
-            f"up to {cfg.max_packed_length}"
+            f"up to {min(cfg.max_packed_length, cfg.max_tokens_per_micro_batch)}"
             if run.packed
             else f"padded: batch {cfg.per_device_batch_size}"
         )
@@ -553,6 +565,9 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
         f"rank weights {[round(w, 4) for w in _gather_weights(run.weight, env)]}"
         + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
     )
+    if env.is_main:
+        for note in run.plan_notes:
+            report.warning(note)
     if cfg.packing and not run.packed:
         report.info(
             f"packing is on but {type(run.model).__name__} attends across packed samples "

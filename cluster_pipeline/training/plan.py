@@ -18,8 +18,10 @@ a resumed run continues at the same place.
   the others, and in practice within a few tokens). A step's samples are packed into rows of at
   most ``min(max_packed_length, max_tokens_per_micro_batch)`` tokens (first fit's row count,
   spread evenly: data/packing.py), the rows sorted by length and grouped
-  ``max_tokens_per_micro_batch // row bound`` to a micro-batch, so a micro-batch's rows are
-  about equally long and little is padded. With token-balanced shards every rank then does the
+  ``max_tokens_per_micro_batch // row bound`` to a micro-batch (fewer where a sample longer
+  than the bound makes a longer row), so a micro-batch's rows are about equally long, little
+  is padded, and its tensor never passes ``max_tokens_per_micro_batch`` tokens but for a
+  single longer sample. With token-balanced shards every rank then does the
   same work at every step: the plan's useful compute (``benchmarks/step_plan_padding.py``) is
   0.96-0.99 at the profiles' shapes, against 0.91-0.93 for consecutive runs of the epoch's order
   cut into greedy micro-batches (the plan before 2026-12-02).
@@ -141,15 +143,23 @@ def step_micro_batches(
 ) -> list[MicroBatch]:
     """One step's samples of a rank into micro-batches: packed rows of at most
     ``min(max_row, max_tokens)`` tokens (a longer sample alone; :func:`pack_rows`), sorted
-    longest first and grouped ``max_tokens // row bound`` (at least 1) to a micro-batch, so each
-    micro-batch holds at most ``max_tokens`` real tokens (a longer sample alone) in rows of
-    about equal length."""
+    longest first and grouped ``max_tokens // max(row bound, the group's longest row)`` (at
+    least 1) to a micro-batch, so each micro-batch's tensor (its rows x its longest row, real
+    tokens included) holds at most ``max_tokens`` tokens, in rows of about equal length; only a
+    sample longer than ``max_tokens`` exceeds it, alone. A sample longer than the row bound (a
+    bound below the samples' lengths) makes a row of its own and its micro-batch holds fewer
+    rows."""
     bound = min(max_row, max_tokens)
     packed = pack_rows([int(lengths[i]) for i in samples], bound)
     rows = [tuple(samples[j] for j in row) for row in packed]
-    rows.sort(key=lambda row: -sum(int(lengths[i]) for i in row))
-    per = max(1, max_tokens // bound)
-    return [MicroBatch(tuple(rows[k : k + per])) for k in range(0, len(rows), per)]
+    size = {row: sum(int(lengths[i]) for i in row) for row in rows}
+    rows.sort(key=lambda row: -size[row])
+    out, k = [], 0
+    while k < len(rows):
+        per = max(1, max_tokens // max(bound, size[rows[k]]))
+        out.append(MicroBatch(tuple(rows[k : k + per])))
+        k += per
+    return out
 
 
 def plan_packed(
@@ -197,6 +207,39 @@ def plan_packed(
     if max_steps:
         plans = [p[:max_steps] for p in plans]
     return _aligned(plans)
+
+
+def packing_notes(
+    lengths_per_rank: Sequence[Sequence[int]],
+    max_tokens_per_micro_batch: int,
+    max_packed_length: int,
+) -> list[str]:
+    """What a packed plan of these lengths and settings does that a user may not expect, one
+    sentence each (the training log's warnings): a budget below every sample (nothing is
+    packed), samples longer than the row bound (rows of their own, fewer rows a micro-batch),
+    and samples longer than the budget (micro-batches of their own). Empty when none applies."""
+    lengths = np.concatenate([np.asarray(x, dtype=np.int64) for x in lengths_per_rank])
+    budget, bound = max_tokens_per_micro_batch, min(max_packed_length, max_tokens_per_micro_batch)
+    notes = []
+    if len(lengths) and budget < int(lengths.min()):
+        notes.append(
+            f"max_tokens_per_micro_batch = {budget} is below every sample (the shortest has "
+            f"{int(lengths.min())} tokens): every micro-batch holds one sample and nothing is "
+            "packed; set it to several samples' tokens (cpu_quick: 1,024)"
+        )
+    elif (lengths > budget).any():
+        notes.append(
+            f"{int((lengths > budget).sum())} of {len(lengths)} samples are longer than "
+            f"max_tokens_per_micro_batch = {budget} tokens: each is a micro-batch of its own"
+        )
+    longer = int(((lengths > bound) & (lengths <= budget)).sum())
+    if longer:
+        notes.append(
+            f"{longer} of {len(lengths)} samples are longer than the row bound {bound} "
+            f"(min(max_packed_length, max_tokens_per_micro_batch)): each is a row of its own, "
+            "so their micro-batches hold fewer rows; raise max_packed_length to pack them"
+        )
+    return notes
 
 
 def useful_compute_fraction(real: Sequence[float], padded: Sequence[float]) -> float:

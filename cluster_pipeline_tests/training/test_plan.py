@@ -10,6 +10,7 @@ import pytest
 from cluster_pipeline.training.plan import (
     PLACEHOLDER,
     balanced_steps,
+    packing_notes,
     plan_packed,
     plan_padded,
     step_micro_batches,
@@ -101,6 +102,64 @@ def test_a_steps_rows_are_even_and_grouped_by_length():
     small = step_micro_batches(lengths, [0, 1, 2, 3, 4, 5], 300, 400)
     assert all(len(mb.rows) == 1 for mb in small)
     assert all(sum(int(lengths[i]) for i in mb.samples) <= 300 for mb in small)
+
+
+def test_samples_longer_than_the_row_bound_keep_the_micro_batch_within_its_budget():
+    # Rows of at most 100 tokens, micro-batches of 1,024: 10 rows a micro-batch while rows fit
+    # the bound. Samples of 200 tokens each make a row of their own, so only 1,024 // 200 = 5
+    # fit (1,000 tokens); before 2026-12-03 they were grouped 10 a micro-batch (2,000 tokens).
+    mbs = step_micro_batches(np.array([200] * 12), list(range(12)), 1024, 100)
+    assert [len(mb.rows) for mb in mbs] == [5, 5, 2]
+    # A row bound of 1 token: every sample alone in its row, micro-batches by the longest row.
+    lengths = np.array([600, 500, 300, 200, 100, 90, 80])
+    mbs = step_micro_batches(lengths, list(range(7)), 1024, 1)
+    assert [[int(lengths[i]) for i in mb.samples] for mb in mbs] == [
+        [600],
+        [500, 300],
+        [200, 100, 90, 80],
+    ]
+    # A sample longer than the budget goes alone; first fit packs the rest into rows of 400 +
+    # 100 and 400, which share the next micro-batch (2 x 500 <= 1,024).
+    mbs = step_micro_batches(np.array([1500, 400, 400, 100]), [0, 1, 2, 3], 1024, 512)
+    assert [mb.rows for mb in mbs] == [((0,),), ((1, 3), (2,))]
+
+
+def test_packing_notes_name_what_the_settings_do_to_these_lengths():
+    lengths = [[68, 120, 300], [90, 700]]
+    assert packing_notes(lengths, 1024, 512) == [
+        "1 of 5 samples are longer than the row bound 512 (min(max_packed_length, "
+        "max_tokens_per_micro_batch)): each is a row of its own, so their micro-batches hold "
+        "fewer rows; raise max_packed_length to pack them"
+    ]
+    assert packing_notes(lengths, 1, 512) == [
+        "max_tokens_per_micro_batch = 1 is below every sample (the shortest has 68 tokens): "
+        "every micro-batch holds one sample and nothing is packed; set it to several samples' "
+        "tokens (cpu_quick: 1,024)"
+    ]
+    assert packing_notes(lengths, 200, 100) == [
+        "2 of 5 samples are longer than max_tokens_per_micro_batch = 200 tokens: each is a "
+        "micro-batch of its own",
+        "1 of 5 samples are longer than the row bound 100 (min(max_packed_length, "
+        "max_tokens_per_micro_batch)): each is a row of its own, so their micro-batches hold "
+        "fewer rows; raise max_packed_length to pack them",
+    ]
+    assert packing_notes(lengths, 1024, 4096) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_micro_batch_tensor_passes_the_budget_but_a_single_longer_sample(seed):
+    # Any lengths, any row bound (below, within or above the samples' lengths): rows x the
+    # longest row <= max_tokens, or the micro-batch is one row of one sample longer than it.
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 700, 60)
+    budget = int(rng.integers(50, 2000))
+    bound = int(rng.choice([1, 37, 128, 512, 4096]))
+    mbs = step_micro_batches(lengths, list(range(60)), budget, bound)
+    assert sorted(i for mb in mbs for i in mb.samples) == list(range(60))
+    for mb in mbs:
+        longest = max(sum(int(lengths[i]) for i in row) for row in mb.rows)
+        if len(mb.rows) * longest > budget:
+            assert len(mb.rows) == 1 and len(mb.samples) == 1 and longest > budget
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -44,7 +44,8 @@ checkpoint one forward and one backward pass per pool sample and per target samp
 per-sample gradients of a padded batch from one backward pass, selection/gradient_features.
 per_sample_gradients), each projected (P x d multiply-adds per sample, P the LoRA
 parameters, and P x d hashed signs rebuilt once per group of gradients, about once per chunk of
-a rank's pass: training/gradient_pass.py); the selection itself is N x M x C dot products of length d, in blocks of pool rows.
+a rank's pass: training/gradient_pass.py); the selection itself is N x M x C dot products of
+length d, in blocks of pool rows.
 """
 
 from __future__ import annotations
