@@ -21,6 +21,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from arguments import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -87,11 +89,11 @@ def run_mode(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--samples", type=positive_int, default=256)
+    p.add_argument("--max-length", type=positive_int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--batch-tokens", type=positive_int, default=8192)
+    p.add_argument("--repeats", type=positive_int, default=2)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--mode", choices=["forward", "embed"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import fraction, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,9 +34,13 @@ def _write(path: Path, samples) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--samples", type=int, default=1000, help="first pool size (default 1000)")
-    p.add_argument("--new-fraction", type=float, default=0.01, help="added share (default 0.01)")
-    p.add_argument("--max-length", type=int, default=128, help="tokens per sample (default 128)")
+    p.add_argument(
+        "--samples", type=positive_int, default=1000, help="first pool size (default 1000)"
+    )
+    p.add_argument("--new-fraction", type=fraction, default=0.01, help="added share (default 0.01)")
+    p.add_argument(
+        "--max-length", type=positive_int, default=128, help="tokens per sample (default 128)"
+    )
     args = p.parse_args()
     if args.samples < 10 or not 0 < args.new_fraction <= 1:
         p.error("need --samples >= 10 and 0 < --new-fraction <= 1")

@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from arguments import positive_int
+
 
 def _median_seconds(fn, runs: int) -> float:
     times = []
@@ -35,7 +37,7 @@ def main() -> None:
     from cluster_pipeline.evaluation.suites import load_humaneval
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--runs", type=positive_int, default=30)
     args = p.parse_args()
     problem = sandbox_problem()
     if problem:

@@ -41,6 +41,7 @@ import json
 import sys
 from pathlib import Path
 
+from arguments import fraction, positive_int
 from product_runs import ProductRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +86,17 @@ def _cost(selector: str, subsets: dict, clustering_seconds: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--pool", type=int, default=1000, help="training samples (>= 1,000 for Table 4)")
+    p.add_argument(
+        "--pool", type=positive_int, default=1000, help="training samples (>= 1,000 for Table 4)"
+    )
     p.add_argument("--selectors", nargs="+", default=SELECTORS, choices=SELECTORS)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--world-size", type=int, default=2, help="torchrun ranks of every pass")
-    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--max-length", type=positive_int, default=256)
+    p.add_argument(
+        "--world-size", type=positive_int, default=2, help="torchrun ranks of every pass"
+    )
+    p.add_argument("--ratio", type=fraction, default=0.5)
     p.add_argument("--target", default="humaneval", help="rds's and less's target set")
-    p.add_argument("--target-size", type=int, default=64)
+    p.add_argument("--target-size", type=positive_int, default=64)
     p.add_argument("--work", type=Path, default=Path("/tmp/selection_cost"))
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_cost.json")
     args = p.parse_args()

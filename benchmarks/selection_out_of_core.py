@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import positive_int
+
 ROWS_PER_WRITE = 200_000
 
 
@@ -211,9 +213,9 @@ def _child(args: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--n", type=int, default=1_000_000, help="rows (default 1,000,000)")
-    p.add_argument("--d", type=int, default=1024, help="embedding width (default 1,024)")
-    p.add_argument("--k", type=int, default=8, help="clusters K (default 8)")
+    p.add_argument("--n", type=positive_int, default=1_000_000, help="rows (default 1,000,000)")
+    p.add_argument("--d", type=positive_int, default=1024, help="embedding width (default 1,024)")
+    p.add_argument("--k", type=positive_int, default=8, help="clusters K (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=Path("/tmp/cluster_pipeline_ooc"))
     p.add_argument("--skip-in-memory", action="store_true", help="only the streaming path")

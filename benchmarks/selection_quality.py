@@ -59,6 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import fraction, positive_int
 from product_runs import ProductRun
 
 from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
@@ -454,12 +455,14 @@ def main() -> None:
         help="the paper's baselines and RDS+, selected and trained through the product",
     )
     p.add_argument("--target", default="humaneval", help="the target set of rds and less")
-    p.add_argument("--pool", type=int, default=160, help="training pool N per dataset")
-    p.add_argument("--heldout", type=int, default=160, help="held-out samples per dataset")
-    p.add_argument("--max-length", type=int, default=128, help="tokens per sample")
-    p.add_argument("--ratio", type=float, default=0.4, help="selection ratio r, 0 < r < 1")
+    p.add_argument("--pool", type=positive_int, default=160, help="training pool N per dataset")
+    p.add_argument("--heldout", type=positive_int, default=160, help="held-out samples per dataset")
+    p.add_argument("--max-length", type=positive_int, default=128, help="tokens per sample")
+    p.add_argument("--ratio", type=fraction, default=0.4, help="selection ratio r, 0 < r < 1")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--humaneval", type=int, default=40, help="HumanEval problems (solution NLL)")
+    p.add_argument(
+        "--humaneval", type=positive_int, default=40, help="HumanEval problems (solution NLL)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_quality.json")
     args = p.parse_args()
     if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:

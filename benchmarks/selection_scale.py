@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from arguments import positive_int
+
 
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -84,9 +86,9 @@ def run(n: int, d: int, k: int, seed: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--n", type=int, nargs="+", default=[75_000, 1_000_000])
-    p.add_argument("--d", type=int, nargs="+", default=[576, 1024])
-    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--n", type=positive_int, nargs="+", default=[75_000, 1_000_000])
+    p.add_argument("--d", type=positive_int, nargs="+", default=[576, 1024])
+    p.add_argument("--k", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

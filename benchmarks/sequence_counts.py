@@ -20,6 +20,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from arguments import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
 
@@ -48,7 +50,7 @@ def main() -> None:
     from cluster_pipeline.data.tokenization import TRUNCATIONS, encode_conversation
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--max-length", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--max-length", type=positive_int, nargs="+", default=[256, 512])
     p.add_argument(
         "--datasets",
         nargs="+",

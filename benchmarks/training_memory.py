@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import positive_int
+
 from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +79,8 @@ def print_breakdown(info: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--max-length", type=positive_int, default=128)
     p.add_argument("--skip-1b", action="store_true", help="only the SmolLM2-135M comparison")
     p.add_argument(
         "--keep", action="store_true", help="keep the work folder (checkpoints: 5 GB with the 1B)"

@@ -55,6 +55,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from arguments import fraction, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = ROOT / "benchmarks" / "throughput_lengths.json"
 POOLS = {
@@ -153,6 +155,7 @@ def prepare(datasets: list[str], work: Path, ratio: float) -> None:
                 f"{[round(r['weight'], 4) for r in ranks]}",
                 flush=True,
             )
+        out["ratio"] = ratio
         (work / f"{name}.json").write_text(json.dumps(out))
         lengths[name] = {
             balance: [
@@ -164,6 +167,7 @@ def prepare(datasets: list[str], work: Path, ratio: float) -> None:
                 for r in ranks
             ]
             for balance, ranks in out.items()
+            if balance != "ratio"
         }
         lengths[name]["mean_length"] = _mean_length(out["samples"])
     LENGTHS.write_text(json.dumps(lengths, indent=0))
@@ -368,9 +372,14 @@ def _core_run(work: Path, dataset: str, mode: str, args, row: int, max_steps: in
     return json.loads(out.read_text())
 
 
-def _prepared(path: Path) -> bool:
-    """Whether ``prepare`` wrote this pool's shards with every balance the modes read."""
-    return path.exists() and "tokens_at_samples" in json.loads(path.read_text())
+def _prepared(path: Path, ratio: float) -> bool:
+    """Whether ``prepare`` wrote this pool's shards with every balance the modes read, at
+    ``ratio`` (a pool of another ratio, or of an older script that did not record one, is
+    prepared again)."""
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text())
+    return "tokens_at_samples" in saved and saved.get("ratio") == ratio
 
 
 def per_token(run: dict) -> float:
@@ -389,15 +398,17 @@ def main() -> None:
         p.add_argument("--model", help="a save_pretrained folder")
         p.add_argument("--random-llama", choices=["1b"], help="a randomly initialised Llama")
         p.add_argument("--attention", default="sdpa", help="attn_implementation")
-        p.add_argument("--batch", type=int, default=4)
-        p.add_argument("--accumulation", type=int, default=2)
-        p.add_argument("--row", type=int, default=512)
-        p.add_argument("--max-tokens", type=int, default=None)
-        p.add_argument("--epochs", type=int, default=1)
-        p.add_argument("--max-steps", type=int, default=None)
+        p.add_argument("--batch", type=positive_int, default=4)
+        p.add_argument("--accumulation", type=positive_int, default=2)
+        p.add_argument("--row", type=positive_int, default=512)
+        p.add_argument("--max-tokens", type=positive_int, default=None)
+        p.add_argument("--epochs", type=positive_int, default=1)
+        p.add_argument("--max-steps", type=positive_int, default=None)
         p.add_argument("--bf16", action="store_true")
         p.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16")
-        p.add_argument("--rank-alone", type=int, default=0, help="one process: which shard")
+        p.add_argument(
+            "--rank-alone", type=positive_int, default=0, help="one process: which shard"
+        )
         p.add_argument("--out", required=True)
         args = p.parse_args()
         result = core(args)
@@ -408,14 +419,19 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=list(POOLS), choices=list(POOLS))
-    p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--batch", type=int, default=4, help="(a): samples per micro-batch")
-    p.add_argument("--accumulation", type=int, default=2)
-    p.add_argument("--row", type=int, default=512, help="(b), (c): tokens per packed row")
+    p.add_argument("--ratio", type=fraction, default=0.5)
+    p.add_argument("--batch", type=positive_int, default=4, help="(a): samples per micro-batch")
+    p.add_argument("--accumulation", type=positive_int, default=2)
+    p.add_argument(
+        "--row", type=positive_int, default=512, help="(b), (c), (d): tokens per packed row"
+    )
     p.add_argument("--sweep", action="store_true", help="also time (c) at several row bounds")
     p.add_argument("--sweep-only", action="store_true", help="time the row sweep, not the modes")
     p.add_argument(
-        "--repeat", type=int, default=2, help="runs of each mode, interleaved; the fastest counts"
+        "--repeat",
+        type=positive_int,
+        default=2,
+        help="runs of each mode, interleaved; the fastest counts",
     )
     p.add_argument(
         "--modes",
@@ -427,15 +443,22 @@ def main() -> None:
     p.add_argument("--prepare-only", action="store_true", help="select and save, time nothing")
     p.add_argument("--work", type=Path, default=Path("/tmp/training_throughput"))
     args = p.parse_args()
+    if args.sweep_only and args.row != 512:
+        p.error(
+            "--row is not used by --sweep-only: the sweep times rows of 256, 512, 1,024 and 2,048"
+        )
     shared = SHARED_TRAIN / "alpaca_cherry_5pct.json"
     if "alpaca_cherry_5pct" in args.datasets and not shared.exists():
-        sys.exit("alpaca_cherry_5pct.json not found: the shared datasets lie beside the project")
+        sys.exit(
+            f"{shared} not found: the shared datasets lie beside the project's folder "
+            "(../shared/datasets); without them run --datasets python_stdlib"
+        )
     from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 
     args.model_path = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
     args.work.mkdir(parents=True, exist_ok=True)
     args.modes = ["a", *[m for m in args.modes if m != "a"]]
-    todo = [d for d in args.datasets if not _prepared(args.work / f"{d}.json")]
+    todo = [d for d in args.datasets if not _prepared(args.work / f"{d}.json", args.ratio)]
     if todo:
         prepare(todo, args.work, args.ratio)
     if args.prepare_only:

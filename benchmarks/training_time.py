@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import fraction, positive_int
+
 from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--ratio", type=float, default=0.4)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--samples", type=positive_int, default=256)
+    p.add_argument("--ratio", type=fraction, default=0.4)
+    p.add_argument("--max-length", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=4)
     args = p.parse_args()
 
     from cluster_pipeline.data.datasets import build_instruction_table
