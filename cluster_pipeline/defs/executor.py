@@ -12,8 +12,9 @@ this is the one place that sees each run start and end, whoever started it:
    (``storage/run_lock.py``), waiting up to ``partition_wait_seconds`` while another run holds it
    (and saying which); a lock left by a run that died is taken over, and that run, if still
    marked in progress, is marked failed.
-3. **A watchdog** (``defs/run_watchdog.py``) marks the run failed if this worker process dies
-   (``kill -9``, the OOM killer) before the run's end is recorded, also after its last step;
+3. **A watchdog** (``defs/run_watchdog.py``), started before the wait for the lock, marks the
+   run failed if this worker process dies (``kill -9``, the OOM killer) before the run's end is
+   recorded: while it waits, during its steps, or after its last step;
    its step processes die with it (``launch/fate.py``).
 """
 
@@ -80,7 +81,7 @@ class PartitionLockedExecutor(dg.Executor):
         return self._inner.step_dependency_config
 
     def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
-        """Check settings, take the partition lock, start the watchdog, then run the plan."""
+        """Check settings, start the watchdog, take the partition lock, then run the plan."""
         run, instance = plan_context.dagster_run, plan_context.instance
         dataset = run.tags.get(PARTITION_TAG)
         run_config: Any = plan_context.run_config
@@ -108,31 +109,34 @@ class PartitionLockedExecutor(dg.Executor):
                 f"({waited:.0f} of {self._wait_s:.0f} s, executor config partition_wait_seconds)"
             )
 
+        # The watchdog watches the wait too: a worker killed while it waits for the lock (it
+        # holds nothing yet) would otherwise leave its run STARTED, which no later run looks at.
+        watchdog = _start_watchdog(instance, run.run_id, dataset)
         try:
-            stale = lock.acquire(
-                me,
-                self._wait_s,
-                on_wait=waiting,
-                interrupted=lambda: check_captured_interrupt() or _terminating(instance, run),
-            )
-        except PartitionBusy as e:
-            _refuse(plan_context, str(e))
-        if not lock.held:
-            raise dg.DagsterExecutionInterruptedError()  # terminated while it waited
-        watchdog = None
-        try:
-            if stale is not None and stale.run_id == run.run_id:
-                # This run again, in a new worker (a resumed run): nothing to mark.
-                plan_context.log.info(f"resuming after {stale.describe()} died")
-            elif stale is not None:
-                plan_context.log.warning(_take_over(instance, dataset, stale))
-            plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
-            watchdog = _start_watchdog(instance, run.run_id, dataset)
-            yield from self._inner.execute(plan_context, execution_plan)
+            try:
+                stale = lock.acquire(
+                    me,
+                    self._wait_s,
+                    on_wait=waiting,
+                    interrupted=lambda: check_captured_interrupt() or _terminating(instance, run),
+                )
+            except PartitionBusy as e:
+                _refuse(plan_context, str(e))
+            if not lock.held:
+                raise dg.DagsterExecutionInterruptedError()  # terminated while it waited
+            try:
+                if stale is not None and stale.run_id == run.run_id:
+                    # This run again, in a new worker (a resumed run): nothing to mark.
+                    plan_context.log.info(f"resuming after {stale.describe()} died")
+                elif stale is not None:
+                    plan_context.log.warning(_take_over(instance, dataset, stale))
+                plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
+                yield from self._inner.execute(plan_context, execution_plan)
+            finally:
+                lock.release()
         finally:
             if watchdog is not None:
                 _stop_watchdog(watchdog)
-            lock.release()
 
 
 @dg.executor(

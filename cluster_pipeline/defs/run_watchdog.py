@@ -43,8 +43,8 @@ def main(run_id: str, worker_pid: int, dataset: str) -> None:
             run,
             f"the worker process of this run (pid {worker_pid}) died {when} (killed by a "
             "signal, or out of memory); its step processes, torchrun launchers and ranks "
-            f"stopped with it and committed nothing after. Dataset partition {dataset!r} is "
-            "free again; re-execute the run to resume it (finished tables, embedding chunks and "
+            f"stopped with it and committed nothing after. It no longer holds dataset partition "
+            f"{dataset!r}; re-execute the run to resume it (finished tables, embedding chunks and "
             "checkpoints are kept).",
         )
     # Exit at once: disposing of the instance took seconds on a busy machine, and the event is

@@ -146,6 +146,28 @@ def test_a_killed_run_while_it_holds_its_partition(tmp_path, tiny_model_dir):
         out = project.materialize("raw_instructions", other, partition="other")
         assert out.returncode == 0 and "is held by" not in out.stdout, out.stdout[-3000:]
 
+        # A run that waits for the partition, SIGKILLed while it waits: it holds nothing, so
+        # only its watchdog (started before the wait) can mark it failed.
+        waiter = project.start_materialize(
+            "raw_instructions", project.config("raw", ["raw_instructions"]), log="waiter"
+        )
+        wait_for(lambda: "is held by run" in project.log("waiter"), 120, "the waiter waiting")
+        with project.instance() as instance:
+            (waiting_id,) = [
+                r.run_id
+                for r in instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+                if r.run_id != run_id
+            ]
+        waiter.send_signal(signal.SIGKILL)
+        waiter.wait()
+        with project.instance() as instance:
+            run = wait_for(lambda: _finished(instance, waiting_id), 60, "the waiter marked failed")
+            assert run.status.value == "FAILURE"
+            assert failure_message(instance, waiting_id).startswith(
+                f"the worker process of this run (pid {waiter.pid}) died before the run ended"
+            )
+        assert _holder_run_id(project) == run_id  # the holder is untouched
+
         # SIGKILL of the worker (`dagster asset materialize` itself) in the embedding pass.
         _embedding_started(project)
         tree = descendants(worker.pid)
