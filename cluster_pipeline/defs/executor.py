@@ -12,9 +12,9 @@ this is the one place that sees each run start and end, whoever started it:
    (``storage/run_lock.py``), waiting up to ``partition_wait_seconds`` while another run holds it
    (and saying which); a lock left by a run that died is taken over, and that run, if still
    marked in progress, is marked failed.
-3. **A watchdog** (``defs/run_watchdog.py``), started before the wait for the lock, marks the
-   run failed if this worker process dies (``kill -9``, the OOM killer) before the run's end is
-   recorded: while it waits, during its steps, or after its last step;
+3. **A watchdog** (``defs/run_watchdog.py``), started first, marks the run failed if this
+   worker process dies (``kill -9``, the OOM killer) before the run's end is recorded: in the
+   settings check, while it waits for the lock, during its steps, or after its last step;
    its step processes die with it (``launch/fate.py``).
 """
 
@@ -81,9 +81,24 @@ class PartitionLockedExecutor(dg.Executor):
         return self._inner.step_dependency_config
 
     def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
-        """Check settings, start the watchdog, take the partition lock, then run the plan."""
+        """Start the watchdog, check settings, take the partition lock, then run the plan."""
         run, instance = plan_context.dagster_run, plan_context.instance
         dataset = run.tags.get(PARTITION_TAG)
+        # The watchdog watches every moment of a partitioned run, the settings check and the
+        # wait for the lock included: a worker killed while it waits holds nothing, so no later
+        # run would look at it, and its run would stay STARTED.
+        watchdog = _start_watchdog(instance, run.run_id, dataset) if dataset else None
+        try:
+            yield from self._checked_and_locked(plan_context, execution_plan, dataset)
+        finally:
+            if watchdog is not None:
+                _stop_watchdog(watchdog)
+
+    def _checked_and_locked(
+        self, plan_context, execution_plan, dataset: str | None
+    ) -> Iterator[dg.DagsterEvent]:
+        """Steps 1 and 2 of the module docstring around the inner executor's plan."""
+        run, instance = plan_context.dagster_run, plan_context.instance
         run_config: Any = plan_context.run_config
         layout = StorageResource(**resource_config(run_config, "storage")).layout
         try:
@@ -109,34 +124,27 @@ class PartitionLockedExecutor(dg.Executor):
                 f"({waited:.0f} of {self._wait_s:.0f} s, executor config partition_wait_seconds)"
             )
 
-        # The watchdog watches the wait too: a worker killed while it waits for the lock (it
-        # holds nothing yet) would otherwise leave its run STARTED, which no later run looks at.
-        watchdog = _start_watchdog(instance, run.run_id, dataset)
         try:
-            try:
-                stale = lock.acquire(
-                    me,
-                    self._wait_s,
-                    on_wait=waiting,
-                    interrupted=lambda: check_captured_interrupt() or _terminating(instance, run),
-                )
-            except PartitionBusy as e:
-                _refuse(plan_context, str(e))
-            if not lock.held:
-                raise dg.DagsterExecutionInterruptedError()  # terminated while it waited
-            try:
-                if stale is not None and stale.run_id == run.run_id:
-                    # This run again, in a new worker (a resumed run): nothing to mark.
-                    plan_context.log.info(f"resuming after {stale.describe()} died")
-                elif stale is not None:
-                    plan_context.log.warning(_take_over(instance, dataset, stale))
-                plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
-                yield from self._inner.execute(plan_context, execution_plan)
-            finally:
-                lock.release()
+            stale = lock.acquire(
+                me,
+                self._wait_s,
+                on_wait=waiting,
+                interrupted=lambda: check_captured_interrupt() or _terminating(instance, run),
+            )
+        except PartitionBusy as e:
+            _refuse(plan_context, str(e))
+        if not lock.held:
+            raise dg.DagsterExecutionInterruptedError()  # terminated while it waited
+        try:
+            if stale is not None and stale.run_id == run.run_id:
+                # This run again, in a new worker (a resumed run): nothing to mark.
+                plan_context.log.info(f"resuming after {stale.describe()} died")
+            elif stale is not None:
+                plan_context.log.warning(_take_over(instance, dataset, stale))
+            plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
+            yield from self._inner.execute(plan_context, execution_plan)
         finally:
-            if watchdog is not None:
-                _stop_watchdog(watchdog)
+            lock.release()
 
 
 @dg.executor(
