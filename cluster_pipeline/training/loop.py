@@ -557,11 +557,14 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
         f"{run.total_steps} steps ("
         + (
             f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
-            f"up to {min(cfg.max_packed_length, cfg.max_tokens_per_micro_batch)}"
+            f"up to {min(cfg.max_packed_length, cfg.max_tokens_per_micro_batch)}, "
+            f"{max((len(s.micro_batches) for s in run.plan), default=0)} at most a step (steps "
+            f"sized for {cfg.gradient_accumulation_steps})"
             if run.packed
-            else f"padded: batch {cfg.per_device_batch_size}"
+            else f"padded: batch {cfg.per_device_batch_size} x accumulation "
+            f"{cfg.gradient_accumulation_steps}"
         )
-        + f" x accumulation {cfg.gradient_accumulation_steps}); "
+        + "); "
         f"rank weights {[round(w, 4) for w in _gather_weights(run.weight, env)]}"
         + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
     )
