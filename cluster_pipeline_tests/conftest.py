@@ -36,6 +36,22 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup``, fail a grouped test whose xdist_group mark is not in effect
+    (pytest-xdist appends ``@group`` to its id; pytest 9.2 ignores that write, and then every
+    worker started its own Slurm cluster and web UI server)."""
+    if (
+        getattr(item.config.option, "loadgroup", False)
+        and item.get_closest_marker("xdist_group")
+        and "@" not in item.nodeid
+    ):
+        pytest.fail(
+            "pytest-xdist's --dist loadgroup ignores this test's xdist_group mark: install the "
+            "pytest and pytest-xdist of requirements.lock (make setup)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()

@@ -344,10 +344,12 @@ class TorchrunResource(dg.ConfigurableResource):
         if final.failed:
             failures = slurm.agent_failures(log_dir)
             cause = slurm.failure_summary_or_state(failures, final)
+            output = slurm.output_tail(job_dir, job_id)
             raise dg.Failure(
                 description=f"{where}{module}: Slurm job {job_id} {final.state}"
                 f"{f' on {final.nodes}' if final.nodes else ''}: {cause}. "
-                f"Per-rank logs: {log_dir}",
+                f"Per-rank logs: {log_dir}"
+                + ("" if failures else "\n" + slurm.output_excerpt(output, job_dir, job_id)),
                 metadata={
                     **{
                         name: dg.MetadataValue.md(f"```\n{text}\n```")
@@ -355,9 +357,7 @@ class TorchrunResource(dg.ConfigurableResource):
                     },
                     "slurm_job_id": job_id,
                     "slurm_state": final.state,
-                    "slurm_output": dg.MetadataValue.md(
-                        f"```\n{slurm.output_tail(job_dir, job_id)}\n```"
-                    ),
+                    "slurm_output": dg.MetadataValue.md(f"```\n{output}\n```"),
                     "log_dir": dg.MetadataValue.path(str(log_dir)),
                 },
             )

@@ -363,6 +363,17 @@ def output_tail(job_dir: Path, job_id: str, chars: int = 3000) -> str:
     return out.read_text(errors="replace")[-chars:] if out.exists() else ""
 
 
+def output_excerpt(output: str, job_dir: Path, job_id: str, lines: int = 20) -> str:
+    """For a job whose ranks left no error: the last ``lines`` lines of its batch ``output``
+    (:func:`output_tail`), where srun's and the torchrun agents' own errors land (a rendezvous
+    that failed before any rank started, a node that could not run the agent script)."""
+    path = job_dir / f"slurm-{job_id}.out"
+    kept = output.rstrip().splitlines()[-lines:]
+    if not kept:
+        return f"The batch job wrote no output ({path})."
+    return f"The batch job's output ({path}) ends:\n" + "\n".join(kept)
+
+
 def failure_summary_or_state(failures: dict[str, str], state: JobState) -> str:
     """What failed: the rank that failed first (:func:`failure_summary`), else what the job's
     state means, else Slurm's reason."""

@@ -68,6 +68,18 @@ def test_failures_are_named_by_global_rank_and_node_first_failure_first(tmp_path
     assert "time limit" in slurm.failure_summary_or_state({}, slurm.JobState("TIMEOUT"))
 
 
+def test_a_job_whose_ranks_left_no_error_quotes_its_batch_output(tmp_path):
+    lines = [f"line {i}" for i in range(25)] + ["srun: error: localhost: task 1: Exited 1"]
+    output = "\n".join(lines) + "\n"
+    path = tmp_path / "slurm-7.out"
+    assert slurm.output_excerpt(output, tmp_path, "7", lines=3) == (
+        f"The batch job's output ({path}) ends:\n"
+        "line 23\nline 24\nsrun: error: localhost: task 1: Exited 1"
+    )
+    assert slurm.output_excerpt(output, tmp_path, "7").count("\n") == 20
+    assert slurm.output_excerpt("\n", tmp_path, "7") == (f"The batch job wrote no output ({path}).")
+
+
 def test_state_falls_back_to_the_batch_scripts_exit_status(tmp_path, monkeypatch):
     def forgotten(command, env=None):
         raise slurm.SlurmError(f"{command[0]} failed: Invalid job id specified")

@@ -6,6 +6,7 @@ slurm-client) and munge."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,6 +59,15 @@ class LocalSlurm:
     def jobs(self) -> list[str]:
         """Pending, running or completing jobs (``squeue``'s default view): id and state."""
         return self.run("squeue", "-h", "-o", "%i %T").split()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of slurmctld's and slurmd's logs, for a test's failure message."""
+        tails = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / "log" / name
+            text = path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+            tails.append(f"--- {path} ends:\n{text}")
+        return "\n".join(tails)
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons, and kill whatever of theirs is left."""
@@ -120,8 +130,12 @@ def start_local_slurm(root: Path, cpus: int = 4, timeout_s: float = 60.0) -> Loc
     os.chmod(key, 0o400)
     munge_socket = root / "munge" / "munge.socket"
     cluster = LocalSlurm(root=root, cpus=cpus)
+    # Job ids of their own: the launcher derives the rendezvous port and id from the job id, so
+    # two test clusters that both numbered from 1 (two sessions at once) would join one store.
+    first_job_id = random.randrange(1000, 19000)
     conf = f"""\
 ClusterName=cptest{os.getpid()}
+FirstJobId={first_job_id}
 SlurmctldHost={NODE}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

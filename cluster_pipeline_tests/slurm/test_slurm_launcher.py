@@ -25,6 +25,7 @@ from cluster_pipeline_tests.helpers import (
     resources,
     step_failure,
 )
+from cluster_pipeline_tests.slurm.cluster import LocalSlurm
 from cluster_pipeline_tests.slurm.defs import ENTRY, slurm_entry, slurm_torchrun
 from cluster_pipeline_tests.slurm.entry import FAILURE
 
@@ -53,7 +54,7 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
-def _sleeping_run(tmp_path: Path) -> subprocess.Popen:
+def _sleeping_run(tmp_path: Path, cluster: LocalSlurm) -> subprocess.Popen:
     """``dagster asset materialize`` of the sleeping entry point (multiprocess executor, own
     DAGSTER_HOME), returned once both ranks sleep under their agents: the job is under way."""
     home = tmp_path / "dagster_home"
@@ -79,7 +80,8 @@ def _sleeping_run(tmp_path: Path) -> subprocess.Popen:
         if run.poll() is not None or time.monotonic() > deadline:
             run.kill()
             raise AssertionError(
-                f"the Slurm job's ranks did not start:\n{run.communicate()[0][-3000:]}"
+                f"the Slurm job's ranks did not start:\n{run.communicate()[0][-3000:]}\n"
+                f"{cluster.log_tail()}"
             )
         time.sleep(0.5)
     return run
@@ -137,7 +139,10 @@ def test_embedding_pass_over_two_slurm_agents_equals_standalone(
         _embed(instance, res)  # torchrun --standalone --nproc_per_node=2
         standalone = read(instance, "proxy_embeddings")
         # 2 torchrun agents (nnodes=2) x 1 rank under Slurm, recomputed (the cache is shared).
-        result = _embed(instance, {**res, "torchrun": slurm_torchrun()}, recompute=True)
+        try:
+            result = _embed(instance, {**res, "torchrun": slurm_torchrun()}, recompute=True)
+        except dg.Failure as e:
+            raise AssertionError(f"{e.description}\n{local_slurm.log_tail()}") from e
         slurm = read(instance, "proxy_embeddings")
         assert meta(instance, "proxy_embeddings")["samples_reused"] == 0
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
@@ -157,7 +162,7 @@ def test_embedding_pass_over_two_slurm_agents_equals_standalone(
 def test_terminating_the_run_cancels_the_job_and_leaves_no_process(local_slurm, tmp_path):
     """SIGTERM to ``dagster asset materialize`` (as a terminal's kill or a run launcher's
     termination does): the multiprocess executor interrupts the step, which scancels its job."""
-    run = _sleeping_run(tmp_path)
+    run = _sleeping_run(tmp_path, local_slurm)
     try:
         assert len(local_slurm.jobs()) == 2  # one running job: id and state
         run.send_signal(signal.SIGTERM)
@@ -176,7 +181,7 @@ def test_terminating_the_run_cancels_the_job_and_leaves_no_process(local_slurm, 
 
 def test_a_step_process_killed_outright_still_cancels_its_job(local_slurm, tmp_path):
     """SIGKILL to the step process (no ``finally`` runs): its guard process scancels the job."""
-    run = _sleeping_run(tmp_path)
+    run = _sleeping_run(tmp_path, local_slurm)
     try:
         guard = next(
             p
