@@ -122,7 +122,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     )
     from cluster_pipeline.models.loading import load_model_and_tokenizer
     from cluster_pipeline.selection.clustering import balanced_kmeans
-    from cluster_pipeline.selection.embedding import l2_normalise
+    from cluster_pipeline.selection.embedding_table import l2_normalise
     from cluster_pipeline.selection.selectors import select
     from cluster_pipeline.selection.sharding import allocate
     from cluster_pipeline.storage.tables import series_to_matrix, write_table

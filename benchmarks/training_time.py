@@ -39,7 +39,7 @@ def main() -> None:
         resolve_model,
     )
     from cluster_pipeline.selection.clustering import balanced_kmeans
-    from cluster_pipeline.selection.embedding import l2_normalise
+    from cluster_pipeline.selection.embedding_table import l2_normalise
     from cluster_pipeline.selection.selectors import select
     from cluster_pipeline.selection.sharding import allocate
     from cluster_pipeline.storage.tables import series_to_matrix, write_table

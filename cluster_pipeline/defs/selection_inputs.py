@@ -36,7 +36,7 @@ from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
 from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.evaluation.targets import target_samples
 from cluster_pipeline.launch.torchrun import RECIPES
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding_table import l2_normalise
 from cluster_pipeline.selection.selectors import REGISTRY, PassCost, SelectionInputs
 from cluster_pipeline.selection.selectors.base import (
     PASS_EMBEDDING,

@@ -44,6 +44,40 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
         os._exit(128 + int(sig))
 
 
+def die_with_process(pid: int, start: int | None = None, sig: int = signal.SIGKILL) -> bool:
+    """Send this process ``sig`` when process ``pid`` (an ancestor that is not the parent)
+    exits: a daemon thread waits on the process's pidfd (Linux 5.3+, ``os.pidfd_open``).
+
+    What a step forked by Dagster's fork server needs: its parent is the server, which holds on
+    while any of its children lives (each child keeps the server's "alive" pipe open), so the
+    parent-death signal would never fire when the run's worker dies. If ``pid`` has already
+    exited, or is no longer the process that started at ``start`` (clock ticks since boot,
+    :func:`process_start`), this process exits at once.
+
+    Returns:
+        False where pidfds are unavailable (nothing armed; the run guard still refuses
+        commits).
+    """
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(128 + int(sig))
+    except (AttributeError, OSError):
+        return False
+    if start is not None and process_start(pid) != start:
+        os._exit(128 + int(sig))
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
+    return True
+
+
 # --- Whether the run is still alive: a guard consulted before anything is committed -----------
 
 GUARD_ENV = "CLUSTER_PIPELINE_RUN_GUARD"
@@ -158,9 +192,11 @@ def bind_step(lock_path: Path | str, run_id: str) -> RunGuard:
     """The guard of a Dagster step process of run ``run_id``, arming fate-sharing first.
 
     When the partition lock names this run and its worker is an ancestor of this process on
-    this machine (the project's executor ran the step in a child process), Linux is asked to
-    SIGKILL this process when its parent dies (exiting at once if it already has), and the guard
-    checks the worker and this process are alive. Otherwise (an in-process run, or a run that
+    this machine (the project's executor ran the step in a child process, or in a child of its
+    fork server), this process is SIGKILLed when the worker dies (exiting at once if it already
+    has): by Linux's parent-death signal when the worker is its parent, else by
+    :func:`die_with_process`. The guard checks the worker, the processes between and this
+    process are alive. Otherwise (an in-process run, or a run that
     holds no lock) the guard only refuses commits while another run holds the partition.
 
     Raises:
@@ -182,7 +218,9 @@ def bind_step(lock_path: Path | str, run_id: str) -> RunGuard:
         pid = parent_of(pid) or 0
     if pid != holder.pid:
         return guard  # not a descendant of the worker here: the holder file is what can be checked
-    if not path:
+    if path:  # forked by the executor's fork server, which outlives the worker
+        die_with_process(holder.pid, start=process_start(holder.pid))
+    else:
         die_with_parent(signal.SIGKILL, expected_parent=holder.pid)
     guard = guard.extended("run worker", holder.pid)
     for between in reversed(path):

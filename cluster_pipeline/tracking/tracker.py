@@ -533,3 +533,25 @@ class MetricsSender:
             batch = [r for r in rows if r is not self._STOP]
             if batch:
                 self._tracker.log_rows(self._run_id, batch)
+
+
+def step_metrics(entry: dict[str, Any]) -> dict[str, float | None]:
+    """What experiment tracking logs of one optimizer step, from its record
+    (:func:`~cluster_pipeline.training.loop.train_step`):
+    ``loss`` (mean over ranks of each rank's mean response-token loss) and ``loss/rank_<r>``,
+    ``learning_rate``, ``grad_norm`` (before clipping), ``real_tokens_per_second`` (every rank's
+    real tokens, prompts included, over the step's seconds), ``useful_compute_fraction``
+    (training/plan.py), ``step_seconds``, and ``grad_cosine`` on the steps that measure it
+    (None where a record lacks the figure)."""
+    real = entry.get("real_tokens_per_rank")
+    seconds = entry.get("step_seconds")
+    return {
+        "loss": entry.get("loss"),
+        **{f"loss/rank_{r}": loss for r, loss in enumerate(entry.get("loss_per_rank", []))},
+        "learning_rate": entry.get("lr"),
+        "grad_norm": entry.get("grad_norm"),
+        "real_tokens_per_second": sum(real) / seconds if real and seconds else None,
+        "useful_compute_fraction": entry.get("useful_compute_fraction"),
+        "step_seconds": seconds,
+        "grad_cosine": entry.get("grad_cosine"),
+    }

@@ -35,7 +35,7 @@ from cluster_pipeline.models.loading import (
     safetensors_files,
 )
 from cluster_pipeline.selection.sharding import ShardManifest
-from cluster_pipeline.tracking.tracker import MetricsSender, Tracker
+from cluster_pipeline.tracking.tracker import MetricsSender, Tracker, step_metrics
 from cluster_pipeline.training.checkpointing import (
     SHARDED_DIR,
     TRAINING_STATE,
@@ -645,27 +645,6 @@ def compute_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
         "wait_seconds_per_rank": [
             round(sum(h["wait_seconds_per_rank"][r] for h in rows), 2) for r in range(world)
         ],
-    }
-
-
-def step_metrics(entry: dict[str, Any]) -> dict[str, float | None]:
-    """What experiment tracking logs of one optimizer step, from its record (:func:`train_step`):
-    ``loss`` (mean over ranks of each rank's mean response-token loss) and ``loss/rank_<r>``,
-    ``learning_rate``, ``grad_norm`` (before clipping), ``real_tokens_per_second`` (every rank's
-    real tokens, prompts included, over the step's seconds), ``useful_compute_fraction``
-    (training/plan.py), ``step_seconds``, and ``grad_cosine`` on the steps that measure it
-    (None where a record lacks the figure)."""
-    real = entry.get("real_tokens_per_rank")
-    seconds = entry.get("step_seconds")
-    return {
-        "loss": entry.get("loss"),
-        **{f"loss/rank_{r}": loss for r, loss in enumerate(entry.get("loss_per_rank", []))},
-        "learning_rate": entry.get("lr"),
-        "grad_norm": entry.get("grad_norm"),
-        "real_tokens_per_second": sum(real) / seconds if real and seconds else None,
-        "useful_compute_fraction": entry.get("useful_compute_fraction"),
-        "step_seconds": seconds,
-        "grad_cosine": entry.get("grad_cosine"),
     }
 
 

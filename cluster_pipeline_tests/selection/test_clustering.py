@@ -18,7 +18,7 @@ from cluster_pipeline.selection.clustering import (
     kmeans,
     squared_distances,
 )
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding_table import l2_normalise
 
 
 def test_capacity_formula():

@@ -4,7 +4,7 @@ import numpy as np
 import polars as pl
 
 from cluster_pipeline.selection.clustering import cluster_table
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding_table import l2_normalise
 from cluster_pipeline.storage.tables import vectors_to_series, write_table
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from cluster_pipeline.data.tokenization import collate, encode_sample
-from cluster_pipeline.selection.embedding import embed_batch, l2_normalise
+from cluster_pipeline.selection.embedding import embed_batch
+from cluster_pipeline.selection.embedding_table import l2_normalise
 from cluster_pipeline_tests.helpers import build_model, build_tokenizer
 
 SAMPLES = [

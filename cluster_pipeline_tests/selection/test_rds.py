@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding_table import l2_normalise
 from cluster_pipeline.selection.selectors import SelectionInputs, SelectionParams, run_selector
 from cluster_pipeline.selection.selectors.rds import candidates, round_robin
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster_pipeline.selection.embedding import l2_normalise
+from cluster_pipeline.selection.embedding_table import l2_normalise
 from cluster_pipeline.selection.selectors import (
     REGISTRY,
     SELECTORS,

@@ -20,7 +20,7 @@ from cluster_pipeline.selection.clustering import (
     cluster_frames,
     cluster_table,
 )
-from cluster_pipeline.selection.embedding import REPRESENTATIONS
+from cluster_pipeline.selection.embedding_table import REPRESENTATIONS
 from cluster_pipeline.selection.selectors import cluster_weights
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, CLUSTER_CENTROIDS, PROXY_EMBEDDINGS
 from cluster_pipeline.storage.tables import TableRef, write_table

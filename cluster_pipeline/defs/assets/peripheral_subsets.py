@@ -23,7 +23,7 @@ from cluster_pipeline.defs.selection_inputs import GatheredInputs, gather_inputs
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
-from cluster_pipeline.selection.embedding import REPRESENTATIONS, l2_normalise
+from cluster_pipeline.selection.embedding_table import REPRESENTATIONS, l2_normalise
 from cluster_pipeline.selection.selectors import (
     Balance,
     SelectionParams,

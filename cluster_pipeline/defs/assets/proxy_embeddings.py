@@ -13,7 +13,7 @@ from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructions
 from cluster_pipeline.defs.resources import BaseModelResource, StorageResource, TorchrunResource
 from cluster_pipeline.defs.run_checks import recheck_settings
 from cluster_pipeline.defs.stages import stage_asset
-from cluster_pipeline.selection.embedding import assemble_table
+from cluster_pipeline.selection.embedding_table import assemble_table
 from cluster_pipeline.selection.selectors.base import PASS_EMBEDDING, round_mib
 from cluster_pipeline.storage.embedding_cache import CacheUnreadable, pool_seconds
 from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS

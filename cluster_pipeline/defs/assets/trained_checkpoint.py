@@ -34,7 +34,7 @@ from cluster_pipeline.storage.names import (
     SHARD_MANIFESTS,
 )
 from cluster_pipeline.storage.tables import markdown_table
-from cluster_pipeline.tracking.tracker import TAG_CHECKPOINT, TAG_SELECTOR, Tracker
+from cluster_pipeline.tracking.tracker import TAG_CHECKPOINT, TAG_SELECTOR, Tracker, step_metrics
 from cluster_pipeline.training.checkpointing import (
     Checkpoint,
     finished_for,
@@ -42,7 +42,6 @@ from cluster_pipeline.training.checkpointing import (
     read_metrics,
 )
 from cluster_pipeline.training.config import TrainJob, TrainSettings, settings_of
-from cluster_pipeline.training.loop import step_metrics
 from cluster_pipeline.training.memory import TrainingMemoryError
 from cluster_pipeline.training.preflight import check_training_fits, checkpoint_folder
 
