@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -118,4 +119,49 @@ def test_a_step_bound_to_its_run_worker_dies_with_it(tmp_path):
     while process_start(step) is not None and time.monotonic() - killed < 10:
         time.sleep(0.05)
     assert process_start(step) is None, "the step outlived its run's worker"
+    assert time.monotonic() - killed < 2
+
+
+FORKSERVER_WORKER = textwrap.dedent(
+    """
+    import multiprocessing, sys, time
+    from cluster_pipeline.storage.run_lock import Holder, PartitionLock
+
+    def step(lock, run):
+        from cluster_pipeline.launch.fate import bind_step
+        guard = bind_step(lock, run)
+        print(" ".join(role for role, _, _ in guard.chain), flush=True)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        lock = PartitionLock(sys.argv[1], "tiny")
+        assert lock.try_acquire(Holder.this_process(sys.argv[2]))[0]
+        proc = multiprocessing.get_context("forkserver").Process(target=step, args=sys.argv[1:3])
+        proc.start()
+        print(proc.pid, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_step_forked_by_a_fork_server_dies_with_its_run_worker(tmp_path):
+    """Dagster's forkserver start method: the step's parent is the fork server, which outlives
+    the worker while the step lives, so the step watches the worker itself."""
+    lock, script = tmp_path / "tiny.lock", tmp_path / "worker.py"
+    script.write_text(FORKSERVER_WORKER)
+    worker = subprocess.Popen(
+        [sys.executable, str(script), str(lock), "run-a"], stdout=subprocess.PIPE, text=True
+    )
+    assert worker.stdout is not None
+    step = int(worker.stdout.readline())
+    assert worker.stdout.readline() == "run worker executor process step process\n"
+    server = int(Path(f"/proc/{step}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert server != worker.pid
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    killed = time.monotonic()
+    while (process_start(step) or process_start(server)) and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    assert process_start(step) is None, "the step outlived its run's worker"
+    assert process_start(server) is None, "the fork server outlived its last client"
     assert time.monotonic() - killed < 2
