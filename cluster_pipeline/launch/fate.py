@@ -44,15 +44,15 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
         os._exit(128 + int(sig))
 
 
-def die_with_process(pid: int, start: int | None = None, sig: int = signal.SIGKILL) -> bool:
+def die_with_process(pid: int, sig: int = signal.SIGKILL) -> bool:
     """Send this process ``sig`` when process ``pid`` (an ancestor that is not the parent)
     exits: a daemon thread waits on the process's pidfd (Linux 5.3+, ``os.pidfd_open``).
 
     What a step forked by Dagster's fork server needs: its parent is the server, which holds on
     while any of its children lives (each child keeps the server's "alive" pipe open), so the
     parent-death signal would never fire when the run's worker dies. If ``pid`` has already
-    exited, or is no longer the process that started at ``start`` (clock ticks since boot,
-    :func:`process_start`), this process exits at once.
+    exited, this process exits at once (an exited process's pidfd, zombie or gone, is readable
+    at once).
 
     Returns:
         False where pidfds are unavailable (nothing armed; the run guard still refuses
@@ -67,8 +67,6 @@ def die_with_process(pid: int, start: int | None = None, sig: int = signal.SIGKI
         os._exit(128 + int(sig))
     except (AttributeError, OSError):
         return False
-    if start is not None and process_start(pid) != start:
-        os._exit(128 + int(sig))
 
     def watch() -> None:
         select.select([fd], [], [])  # readable once the process has exited
@@ -219,7 +217,7 @@ def bind_step(lock_path: Path | str, run_id: str) -> RunGuard:
     if pid != holder.pid:
         return guard  # not a descendant of the worker here: the holder file is what can be checked
     if path:  # forked by the executor's fork server, which outlives the worker
-        die_with_process(holder.pid, start=process_start(holder.pid))
+        die_with_process(holder.pid)
     else:
         die_with_parent(signal.SIGKILL, expected_parent=holder.pid)
     guard = guard.extended("run worker", holder.pid)
