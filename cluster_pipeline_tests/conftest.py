@@ -23,17 +23,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the long tests first (slow ones in an xdist group, then other slow ones, then the
-    rest, each in collection order), so that pytest-xdist's workers, handed tests in this
-    order, do not end on one long test while the others idle. Skip ``@pytest.mark.gpu`` tests,
-    with the reason, where torch sees no CUDA device."""
-
-    def rank(item) -> int:
-        if item.get_closest_marker("slow") is None:
-            return 2
-        return 0 if item.get_closest_marker("xdist_group") else 1
-
-    items.sort(key=rank)  # stable: the same order on every worker
+    """Skip ``@pytest.mark.gpu`` tests, with the reason, where torch sees no CUDA device."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
