@@ -107,7 +107,8 @@ class ClusterResult:
 
     def summary(self, weights: Iterable[float]) -> str:
         """One line for a run's log: sizes before and after the capacity step, the cap, what the
-        step cost, the k-means search, and the rank ``weights`` w_c."""
+        step cost, the k-means search, and the clusters' ``weights`` n_c K / N (the ranks'
+        weights under ``balance: samples``; token balance weights by response tokens)."""
         fit = self.kmeans_fit
         return (
             f"K={len(self.sizes)}: sizes {self.sizes.tolist()} (k-means "
@@ -117,7 +118,9 @@ class ClusterResult:
             f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
             f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-"
             f"{max(fit.restart_inertias):.4f}, {max(fit.restart_iterations)} iterations at "
-            f"most); weights w_c {[round(float(w), 4) for w in weights]}"
+            f"most); weights by size n_c K / N {[round(float(w), 4) for w in weights]} (the "
+            "ranks' weights under balance: samples; balance: tokens, the default, weights by "
+            "response tokens in peripheral_subsets)"
         )
 
 
