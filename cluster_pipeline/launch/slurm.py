@@ -357,9 +357,14 @@ def agent_failures(log_dir: Path, tail_chars: int = 3000) -> dict[str, str]:
     return {name: text for _, name, text in sorted(found)}
 
 
+def output_path(job_dir: Path, job_id: str) -> Path:
+    """The batch job's stdout/stderr file, as :func:`sbatch_command` names it."""
+    return job_dir / f"slurm-{job_id}.out"
+
+
 def output_tail(job_dir: Path, job_id: str, chars: int = 3000) -> str:
-    """The end of the batch job's stdout/stderr (``slurm-<id>.out``), or '' if none."""
-    out = job_dir / f"slurm-{job_id}.out"
+    """The end of the batch job's stdout/stderr (:func:`output_path`), or '' if none."""
+    out = output_path(job_dir, job_id)
     return out.read_text(errors="replace")[-chars:] if out.exists() else ""
 
 
@@ -367,7 +372,7 @@ def output_excerpt(output: str, job_dir: Path, job_id: str, lines: int = 20) -> 
     """For a job whose ranks left no error: the last ``lines`` lines of its batch ``output``
     (:func:`output_tail`), where srun's and the torchrun agents' own errors land (a rendezvous
     that failed before any rank started, a node that could not run the agent script)."""
-    path = job_dir / f"slurm-{job_id}.out"
+    path = output_path(job_dir, job_id)
     kept = output.rstrip().splitlines()[-lines:]
     if not kept:
         return f"The batch job wrote no output ({path})."
