@@ -21,11 +21,12 @@ this is the one place that sees each run start and end, whoever started it:
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import pkgutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,10 @@ _CONFIG = {
 class PartitionLockedExecutor(dg.Executor):
     """The multiprocess executor inside the three steps of the module docstring."""
 
-    def __init__(self, inner: dg.Executor, partition_wait_s: float):
+    def __init__(self, inner: dg.Executor, partition_wait_s: float, preload: Sequence[str] = ()):
         self._inner = inner
         self._wait_s = partition_wait_s
+        self._preload = list(preload)
 
     @property
     def retries(self):
@@ -125,6 +127,14 @@ class PartitionLockedExecutor(dg.Executor):
         run, instance = plan_context.dagster_run, plan_context.instance
         run_config: Any = plan_context.run_config
         layout = StorageResource(**resource_config(run_config, "storage")).layout
+        missing = missing_modules(self._preload)
+        if missing:
+            # multiprocessing's fork server skips a module it cannot import, saying nothing.
+            _refuse(
+                plan_context,
+                f"execution.start_method.forkserver.preload_modules = {missing}: no such module "
+                "(a typo?); name importable modules, or leave preload_modules out",
+            )
         try:
             check_run(
                 run_config,
@@ -182,7 +192,22 @@ def partition_locked_executor(init_context: dg.InitExecutorContext) -> dg.Execut
     inner = dg.multiprocess_executor.executor_creation_fn(init_context)  # pyright: ignore[reportOptionalCall]
     config: Any = init_context.executor_config
     wait = float(config.get("partition_wait_seconds", DEFAULT_PARTITION_WAIT_S))
-    return PartitionLockedExecutor(inner, wait)
+    forkserver = (config.get("start_method") or {}).get("forkserver") or {}
+    return PartitionLockedExecutor(inner, wait, forkserver.get("preload_modules") or [])
+
+
+def missing_modules(modules: Sequence[str]) -> list[str]:
+    """Those of ``modules`` that cannot be found on ``sys.path`` (``importlib.util.find_spec``
+    is None, or a parent package is missing)."""
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _refuse(plan_context, message: str):
