@@ -186,18 +186,33 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def seconds_until_gone(pids: list[int], timeout: float = 60) -> float:
-    """Seconds until every one of ``pids`` has exited (measured from now).
+    """Seconds until every one of ``pids`` has exited (measured from now). Prints when each
+    went, with its command line, so that a slow link of a fate-sharing chain names itself.
 
     Raises:
         AssertionError: some are still running after ``timeout`` (names them).
     """
     start = time.monotonic()
-    while alive(pids):
-        if time.monotonic() - start > timeout:
-            left = {p: " ".join(psutil.Process(p).cmdline())[:120] for p in alive(pids)}
-            raise AssertionError(f"still running after {timeout:.0f} s: {left}")
+    names = {}
+    for pid in pids:
+        try:
+            names[pid] = " ".join(psutil.Process(pid).cmdline())[:100]
+        except psutil.Error:
+            names[pid] = "?"
+    went: dict[int, float] = {}
+    while left := alive(pids):
+        now = time.monotonic() - start
+        went.update({p: now for p in pids if p not in left and p not in went})
+        if now > timeout:
+            raise AssertionError(
+                f"still running after {timeout:.0f} s: { ({p: names[p] for p in left}) }"
+            )
         time.sleep(0.05)
-    return time.monotonic() - start
+    total = time.monotonic() - start
+    went.update({p: total for p in pids if p not in went})
+    for pid, seconds in sorted(went.items(), key=lambda item: item[1]):
+        print(f"  gone after {seconds:5.2f} s: pid {pid} {names[pid]}")
+    return total
 
 
 def descendants(pid: int) -> list[int]:

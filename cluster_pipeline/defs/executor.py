@@ -53,8 +53,10 @@ DEFAULT_PARTITION_WAIT_S = float(os.environ.get(PARTITION_WAIT_ENV) or 3600.0)
 
 # What the fork server imports once, before it forks each step process: the Definitions and
 # every stage module (torch, polars, matplotlib, the project), so a step starts without
-# importing them again.
+# importing them again. First, launch/fork_server.py: the server then ends at once after its
+# run, without finalizing an interpreter that holds all of them (1-7 s).
 PRELOAD_MODULES = [
+    "cluster_pipeline.launch.fork_server",
     "cluster_pipeline.definitions",
     *(
         f"cluster_pipeline.defs.assets.{m.name}"

@@ -12,7 +12,10 @@ def test_missing_preload_modules_are_named():
 
 
 def test_the_default_preload_is_every_stage_module_and_importable():
-    assert PRELOAD_MODULES[0] == "cluster_pipeline.definitions"
+    assert PRELOAD_MODULES[:2] == [
+        "cluster_pipeline.launch.fork_server",
+        "cluster_pipeline.definitions",
+    ]
     assert "cluster_pipeline.defs.assets.trained_checkpoint" in PRELOAD_MODULES
-    assert len(PRELOAD_MODULES) == 9  # the Definitions and the defs/assets/ modules
+    assert len(PRELOAD_MODULES) == 10  # fork_server, the Definitions, the defs/assets/ modules
     assert missing_modules(PRELOAD_MODULES) == []
