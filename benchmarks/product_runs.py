@@ -49,8 +49,9 @@ class ProductRun:
             shutil.rmtree(work)
         self.work, self.dataset = work, dataset
         data = work / "data"
-        (data / "raw" / dataset).mkdir(parents=True)
-        if source is not None:
+        (data / "raw").mkdir(parents=True)
+        if source is not None:  # (an empty folder would hide the built-in dataset: refused)
+            (data / "raw" / dataset).mkdir()
             shutil.copy(source, data / "raw" / dataset / source.name)
         home = work / "dagster_home"
         home.mkdir()

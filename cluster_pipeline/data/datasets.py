@@ -289,6 +289,13 @@ TRAINING_COLUMNS = ["sample_id", "system", "prompt", "response", "messages", "to
 EMBEDDING_COLUMNS = [*TRAINING_COLUMNS, "source_file", "source_line"]
 
 
+def read_train_split(uri: str, version: int) -> pl.DataFrame:
+    """The training split of a raw_instructions version, in table order: the columns a sample
+    is rendered from and its source file and line (named when it cannot be rendered)."""
+    frame = read_instructions(uri, version, ["split", *EMBEDDING_COLUMNS])
+    return frame.filter(pl.col("split") == "train").drop("split")
+
+
 def samples_fingerprint(uri: str, version: int, sample_ids: set[str]) -> str:
     """A content hash of the samples ``sample_ids`` (sorted, every column training reads) in a
     ``raw_instructions`` table version: equal across table versions that hold the same samples,

@@ -28,9 +28,10 @@ not honour packed position ids falls back to padding).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is made: loading the Definitions needs no torch
+    import torch
 
 # The label of a token that is not a target (PyTorch's cross-entropy ``ignore_index``).
 IGNORE_INDEX = -100
@@ -181,6 +182,8 @@ def collate_rows(
         packed = any(len(r) > 1 for r in rows)
     if not packed and any(len(r) > 1 for r in rows):
         raise ValueError("padded batches hold one sample per row")
+    import torch
+
     width = max(sum(len(samples[i]) for i in r) for r in rows)
     shape = (len(rows), width)
     ids = torch.full(shape, pad_token_id, dtype=torch.long)
@@ -221,7 +224,6 @@ def padded_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["input_ids"].numel())
 
 
-@torch.no_grad()
 def can_pack(model, atol: float = 1e-3, vocab_size: int | None = None) -> bool:
     """Whether ``model`` keeps packed samples apart: two short random sequences packed into
     one row must give the logits they give alone (max difference <= ``atol``; float32 rounding
@@ -229,18 +231,21 @@ def can_pack(model, atol: float = 1e-3, vocab_size: int | None = None) -> bool:
     mode and restores the mode; costs two forward passes over 14 tokens. ``model`` may be a
     DDP or FSDP wrapper (every rank must call it then); ``vocab_size`` defaults to its
     config's."""
+    import torch
+
     was_training = model.training
     model.eval()
     try:
-        device = next(model.parameters()).device
-        vocab = int(vocab_size or model.config.get_text_config().vocab_size)
-        g = torch.Generator().manual_seed(0)
-        a = torch.randint(0, vocab, (1, 6), generator=g).to(device)
-        b = torch.randint(0, vocab, (1, 8), generator=g).to(device)
-        alone = model(input_ids=b, use_cache=False).logits[0]
-        row = torch.cat([a, b], dim=1)
-        positions = torch.cat([torch.arange(6), torch.arange(8)])[None].to(device)
-        packed = model(input_ids=row, position_ids=positions, use_cache=False).logits[0, 6:]
-        return bool((alone.float() - packed.float()).abs().max() <= atol)
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            vocab = int(vocab_size or model.config.get_text_config().vocab_size)
+            g = torch.Generator().manual_seed(0)
+            a = torch.randint(0, vocab, (1, 6), generator=g).to(device)
+            b = torch.randint(0, vocab, (1, 8), generator=g).to(device)
+            alone = model(input_ids=b, use_cache=False).logits[0]
+            row = torch.cat([a, b], dim=1)
+            positions = torch.cat([torch.arange(6), torch.arange(8)])[None].to(device)
+            packed = model(input_ids=row, position_ids=positions, use_cache=False).logits[0, 6:]
+            return bool((alone.float() - packed.float()).abs().max() <= atol)
     finally:
         model.train(was_training)

@@ -56,13 +56,15 @@ import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 # Defined beside the batch layout (torch-only); tokenization and the loss share it.
 from cluster_pipeline.data.packing import IGNORE_INDEX as IGNORE_INDEX
+
+if TYPE_CHECKING:  # imported where a tensor is made: loading the Definitions needs no torch
+    import torch
 
 SKIP_EMPTY_RESPONSE = "empty_response"
 SKIP_NO_RESPONSE_TOKENS = "no_response_tokens"
@@ -638,6 +640,8 @@ def collate(
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    import torch
+
     width = max(len(s) for s in batch)
     ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)

@@ -15,18 +15,18 @@ import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
 
 from cluster_pipeline.evaluation.statistics import Comparison
 
-_PALETTE = colormaps["tab10"]  # 10 qualitative colours
+if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn: loading the Definitions
+    # (the web UI, every CLI run) does not pay for it
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
 _DPI = 100
 # Smaller than this many steps, a curve is drawn as it is: there is nothing to smooth.
 _SMOOTH_MIN_STEPS = 6
@@ -34,7 +34,10 @@ _SMOOTH_MIN_STEPS = 6
 
 def color(i: int) -> tuple[float, ...]:
     """The ``i``-th colour of the qualitative palette (tab10), cycling: (r, g, b, a)."""
-    return tuple(_PALETTE(i % _PALETTE.N))
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]  # 10 qualitative colours
+    return tuple(palette(i % palette.N))
 
 
 def png(fig: Figure, dpi: int = _DPI) -> bytes:
@@ -119,6 +122,9 @@ def cluster_sizes_figure(
         sizes: (K,) samples per cluster after the capacity step.
         cap: the capacity ceil(alpha N / K), samples.
     """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     k = len(sizes)
     fig = Figure(figsize=(max(5.5, 0.55 * k + 3), 3.6), layout="constrained")
     ax = fig.add_subplot()
@@ -189,6 +195,8 @@ def pca_map_figure(
         max_points: rows drawn at most (a seeded sample).
         seed: the sample's seed.
     """
+    from matplotlib.figure import Figure
+
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(x), size=min(len(x), max_points), replace=False)
     xy, var = explained_variance(x[idx])
@@ -249,6 +257,9 @@ def loss_curves_figure(steps: Sequence[int], per_rank: Sequence[Sequence[float]]
         per_rank: (S, K) loss per step and rank, nats/token: each rank's mean over its
             response tokens, before the rank weight w_c multiplies it.
     """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     arr = np.asarray(per_rank, dtype=float)
     ranks = arr.shape[1] if arr.ndim == 2 else 0
     fig = Figure(figsize=(7, 3.8), layout="constrained")
@@ -272,6 +283,9 @@ def useful_compute_figure(steps: Sequence[int], fractions: Sequence[float]) -> F
         fractions: (S,) real tokens / (ranks x the busiest rank's tensor tokens) of the step
             (training/plan.py): 1 = no padding and no rank waits for another.
     """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.add_subplot()
     (line,) = ax.plot(steps, fractions, marker=".", color=color(0), linewidth=1.5)
@@ -300,6 +314,9 @@ def run_loss_curves_figure(
         curves: run name -> (optimizer step, loss in nats/token, mean over ranks) per step.
         groups: run name -> its group (what seeds are averaged over).
     """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.add_subplot()
     order = list(dict.fromkeys(groups[name] for name in curves))
@@ -338,6 +355,8 @@ def time_vs_fraction_figure(
         estimate: (data fraction, training seconds) of the run the estimate starts from, or
             None when full-data training was measured.
     """
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.add_subplot()
     order = list(dict.fromkeys(g for _, _, g in points))
@@ -378,6 +397,8 @@ def metric_differences_figure(
         base_values: metric -> the base model's value.
         units: metric -> its unit (``nats/token``, ``fraction of problems``).
     """
+    from matplotlib.figure import Figure
+
     metrics = list(dict.fromkeys(c.metric for c in comparisons))
     groups = list(dict.fromkeys(c.candidate for c in comparisons))
     fig = Figure(
@@ -471,6 +492,9 @@ def decision_figure(
         full_note: how full-data training time was obtained (measured or estimated), for the
             x label.
     """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     kinds = list(dict.fromkeys(p.kind for p in points))
     groups = list(dict.fromkeys(p.group for p in points))
     fig = Figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6), layout="constrained")

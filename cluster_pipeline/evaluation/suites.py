@@ -42,7 +42,6 @@ from typing import Any, Literal
 
 import numpy as np
 import polars as pl
-import torch
 from pydantic import Field, field_validator
 
 from cluster_pipeline.data import json_text
@@ -58,8 +57,6 @@ from cluster_pipeline.data.tokenization import (
     prompt_ids,
 )
 from cluster_pipeline.evaluation.sandbox import check_sandbox, run_python
-from cluster_pipeline.models.loading import load_model_and_tokenizer
-from cluster_pipeline.selection.embedding import embed_samples
 from cluster_pipeline.storage.job_files import JobFile
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
@@ -118,6 +115,8 @@ def response_losses(
     order of ``encoded``; samples with a ``skip_reason`` get T = 0 and a nan loss. Batches are
     packed per ``packing`` (default: packed rows of up to 512 tokens) where the model can pack;
     the numbers do not depend on it."""
+    from cluster_pipeline.selection.embedding import embed_samples
+
     packing = packing or PackingSettings()
     out, _ = embed_samples(
         model,
@@ -422,7 +421,6 @@ def extract_completion(problem: CodeProblem, generated: str, chat: bool) -> str:
     return code
 
 
-@torch.inference_mode()
 def generate(
     model,
     tokenizer,
@@ -435,34 +433,36 @@ def generate(
     """Greedy completions of ``prompts`` (left-padded batches); returns the new text only.
     Each prompt is tokenized as training inputs begin (:func:`prompt_ids`: BOS first without a
     chat template)."""
+    import torch
+
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     original_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    try:
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            ids = [prompt_ids(tokenizer, prompts[i]) for i in idx]
-            enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True).to(device)
-            kwargs = (
-                {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
-            )
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                **kwargs,
-            )
-            new = out[:, enc["input_ids"].shape[1] :]
-            texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-            for i, text in zip(idx, texts, strict=True):
-                outputs[i] = text
-            if on_batch is not None:
-                on_batch(len(idx))
-    finally:
-        tokenizer.padding_side = original_side
+    kwargs = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+    with torch.inference_mode():
+        try:
+            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+            for start in range(0, len(order), batch_size):
+                idx = order[start : start + batch_size]
+                ids = [prompt_ids(tokenizer, prompts[i]) for i in idx]
+                enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True)
+                enc = enc.to(device)
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **kwargs,
+                )
+                new = out[:, enc["input_ids"].shape[1] :]
+                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+                for i, text in zip(idx, texts, strict=True):
+                    outputs[i] = text
+                if on_batch is not None:
+                    on_batch(len(idx))
+        finally:
+            tokenizer.padding_side = original_side
     return outputs
 
 
@@ -745,6 +745,10 @@ def evaluate_model(
     start = time.perf_counter()
     if settings.generate and any(name in CODE_BENCHMARKS for name in suites):
         check_sandbox(settings.unsafe_sandbox)  # refuse before any model is loaded
+    import torch
+
+    from cluster_pipeline.models.loading import load_model_and_tokenizer
+
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(path)
     loss = heldout_loss(model, tokenizer, heldout, settings, settings.batch_size)

@@ -32,12 +32,12 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cluster_pipeline.launch.fate import check_alive
-from cluster_pipeline.training.parallel import is_fsdp
+
+if TYPE_CHECKING:  # imported where tensors are handled: the assets read checkpoints without it
+    import torch
 
 TRAINING_INFO = "training_info.json"
 
@@ -178,6 +178,8 @@ class CheckpointDir:
         """Write ``step_<n>/``: ``model`` (``save_pretrained``; None when the sharded files are
         already there, written by every rank), the tokenizer and the training state last, which
         marks the folder complete; then drop all but the ``keep`` newest."""
+        import torch
+
         path = self.step_dir(step)
         if model is None:
             tokenizer.save_pretrained(path)
@@ -209,6 +211,9 @@ def save_checkpoint(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
+        if extra:
+            import torch
+
         for name, obj in (extra or {}).items():
             torch.save(obj, tmp / name)
         if also is not None:
@@ -235,13 +240,13 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name for adapter we
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint files of an FSDP intermediate checkpoint
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
+SAFETENSORS_DTYPES = {  # the header's dtype -> the torch dtype's name
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
 }
 
 
@@ -279,8 +284,10 @@ class SafetensorsRows:
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Copy rows ``start : start + out.shape[0]`` of tensor ``name`` into ``out`` (a
         CPU or GPU tensor of the tensor's trailing shape, any float dtype)."""
+        import torch
+
         file, offset, meta = self.entry(name)
-        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+        dtype = getattr(torch, SAFETENSORS_DTYPES[meta["dtype"]])
         row_bytes = math.prod(meta["shape"][1:]) * dtype.itemsize
         direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
         buffer = out if direct else torch.empty(out.shape, dtype=dtype)
@@ -291,7 +298,6 @@ class SafetensorsRows:
             out.copy_(buffer)
 
 
-@torch.no_grad()
 def load_into_shards(model, files: dict[str, Path], device: torch.device) -> None:
     """Fill the parameters of a model built on the meta device (``modeling.empty_model``) and
     sharded with :func:`wrap`, each rank reading from the safetensors ``files`` (tensor name ->
@@ -305,32 +311,37 @@ def load_into_shards(model, files: dict[str, Path], device: torch.device) -> Non
         ValueError: a tensor's shape differs from its parameter's, or a parameter is sharded
             otherwise than FSDP2's default (rows, dim 0).
     """
+    import torch
     from torch.distributed.tensor import DTensor, Shard
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
-    for name, b in model.named_buffers():
-        b.copy_(buffers[name])
-    reader = SafetensorsRows(files)
-    for name, param in model.named_parameters():
-        if reader.shape(name) != tuple(param.shape):
-            raise ValueError(
-                f"{name}: {reader.shape(name)} in the checkpoint, {tuple(param.shape)} in the model"
-            )
-        local, start = param, 0
-        if isinstance(param, DTensor):
-            if tuple(param.placements) != (Shard(0),):
-                raise ValueError(f"{name} is sharded as {param.placements}, not by rows")
-            local = param.to_local()
-            rows = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's chunk size
-            start = param.device_mesh.get_local_rank() * rows
-        if local.numel():
-            reader.read_into(name, start, local)
+    with torch.no_grad():
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.to_empty(device=device)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+        reader = SafetensorsRows(files)
+        for name, param in model.named_parameters():
+            if reader.shape(name) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: {reader.shape(name)} in the checkpoint, "
+                    f"{tuple(param.shape)} in the model"
+                )
+            local, start = param, 0
+            if isinstance(param, DTensor):
+                if tuple(param.placements) != (Shard(0),):
+                    raise ValueError(f"{name} is sharded as {param.placements}, not by rows")
+                local = param.to_local()
+                rows = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's chunk size
+                start = param.device_mesh.get_local_rank() * rows
+            if local.numel():
+                reader.read_into(name, start, local)
 
 
 def full_state_dict(model) -> dict[str, Any]:
     """The unsharded model state on CPU (collective under FSDP2: every rank must call it; rank 0
     gets the tensors)."""
+    from cluster_pipeline.training.parallel import is_fsdp
+
     if not is_fsdp(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -344,6 +355,7 @@ def export_model(model, state: dict[str, Any]):
     """A plain ``transformers`` model holding ``state`` that ``save_pretrained`` writes as the
     base architecture (an FSDP2-sharded model's class is a generated subclass; LoRA adapters are
     merged into the weights)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

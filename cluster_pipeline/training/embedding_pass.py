@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from cluster_pipeline.data.datasets import EMBEDDING_COLUMNS, read_instructions
+from cluster_pipeline.data.datasets import read_train_split
 from cluster_pipeline.data.packing import can_pack
 from cluster_pipeline.data.tokenization import encode_rows, generation_header
 from cluster_pipeline.data.tokenization import response_only as without_prompt
@@ -33,13 +33,6 @@ from cluster_pipeline.storage.embedding_cache import (
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
 from cluster_pipeline.training.distributed import all_gather_floats
 from cluster_pipeline.training.memory import peak_memory_bytes
-
-
-def read_train_split(uri: str, version: int) -> pl.DataFrame:
-    """The training split of a raw_instructions version, in table order: the columns a sample
-    is rendered from and its source file and line (named when it cannot be rendered)."""
-    frame = read_instructions(uri, version, ["split", *EMBEDDING_COLUMNS])
-    return frame.filter(pl.col("split") == "train").drop("split")
 
 
 def embed_frame(

@@ -14,8 +14,6 @@ import ctypes
 import resource
 from typing import Any
 
-import torch
-
 from cluster_pipeline.training.config import TrainSettings
 
 MIB = 2**20
@@ -38,6 +36,8 @@ def peak_memory_bytes() -> tuple[int, int]:
     """(peak resident bytes, peak CUDA bytes) of this process so far: VmHWM
     (:func:`resident_bytes`) and ``torch.cuda.max_memory_allocated`` of the current device (0
     without CUDA). What a pass's or a training run's cost record calls its peak memory."""
+    import torch
+
     cuda = (
         int(torch.cuda.max_memory_allocated())
         if torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -86,6 +86,8 @@ class MemoryTrace:
 
     def mark(self, label: str) -> None:
         """Record resident memory (now and peak) and torch's allocator figures under ``label``."""
+        import torch
+
         rss, peak = resident_bytes()
         entry: dict[str, Any] = {
             "label": label,
@@ -109,6 +111,7 @@ ACTIVATION_VALUES_PER_HIDDEN = 17
 
 def parameter_count(model_path: str) -> int:
     """Parameters of the model at ``model_path`` (built on the meta device: no weights read)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -165,6 +168,8 @@ class TrainingMemoryError(RuntimeError):
 def available_bytes_per_rank(local_ranks: int) -> int:
     """Memory one of ``local_ranks`` ranks on this machine can use: the smallest GPU's total
     memory when CUDA is available, else the available host memory (``psutil``) / local_ranks."""
+    import torch
+
     if torch.cuda.is_available():
         return min(
             torch.cuda.get_device_properties(i).total_memory

@@ -20,7 +20,6 @@ from cluster_pipeline.training.memory import (
     check_training_memory,
     parameter_count,
 )
-from cluster_pipeline.training.parallel import check_lora_targets
 
 
 def check_training_fits(
@@ -40,6 +39,8 @@ def check_training_fits(
             model's linear modules).
         TrainingMemoryError: it would not fit; the message gives each way to fit.
     """
+    from cluster_pipeline.training.parallel import check_lora_targets  # torch.distributed
+
     if world_size % agents:
         raise ValueError(
             f"{world_size} ranks cannot be split over {agents} torchrun agents (nodes): make "

@@ -6,7 +6,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from cluster_pipeline.data.datasets import read_instructions
+from cluster_pipeline.data.datasets import read_instructions, read_train_split
 from cluster_pipeline.defs.embedding_passes import pass_cache_key, run_cached_pass
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, RawInstructionsRecord, read_record
@@ -19,7 +19,6 @@ from cluster_pipeline.storage.embedding_cache import CacheUnreadable, pool_secon
 from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, RAW_INSTRUCTIONS
 from cluster_pipeline.storage.tables import mean_of, write_table
 from cluster_pipeline.training.config import EmbedSettings, settings_of
-from cluster_pipeline.training.embedding_pass import read_train_split
 
 
 class ProxyEmbeddingsConfig(dg.Config, EmbedSettings):
