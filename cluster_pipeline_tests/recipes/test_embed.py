@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cluster_pipeline.data.datasets import read_train_split
 from cluster_pipeline.storage.embedding_cache import chunk_path, gather_chunks
 from cluster_pipeline.storage.tables import series_to_matrix
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
-from cluster_pipeline.data.datasets import read_train_split
 from cluster_pipeline_tests.helpers import instructions_table, tiny_records, torchrun
 
 pytestmark = pytest.mark.slow
