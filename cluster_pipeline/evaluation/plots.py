@@ -10,6 +10,7 @@ Dagster's threads and processes), and PNG needs no display (Agg).
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import math
 import textwrap
@@ -32,12 +33,32 @@ _DPI = 100
 _SMOOTH_MIN_STEPS = 6
 
 
-def color(i: int) -> tuple[float, ...]:
-    """The ``i``-th colour of the qualitative palette (tab10), cycling: (r, g, b, a)."""
+@functools.cache
+def _palette():
     from matplotlib import colormaps
 
-    palette = colormaps["tab10"]  # 10 qualitative colours
+    return colormaps["tab10"]  # 10 qualitative colours
+
+
+def color(i: int) -> tuple[float, ...]:
+    """The ``i``-th colour of the qualitative palette (tab10), cycling: (r, g, b, a)."""
+    palette = _palette()
     return tuple(palette(i % palette.N))
+
+
+def _figure(**kwargs) -> Figure:
+    """A new figure (``layout="constrained"``, no pyplot); the one place matplotlib's figure
+    module is imported."""
+    from matplotlib.figure import Figure
+
+    return Figure(layout="constrained", **kwargs)
+
+
+def _integer_x_ticks(ax: Axes) -> None:
+    """Ticks at whole numbers only on the x axis (steps, cluster indices)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def png(fig: Figure, dpi: int = _DPI) -> bytes:
@@ -122,11 +143,8 @@ def cluster_sizes_figure(
         sizes: (K,) samples per cluster after the capacity step.
         cap: the capacity ceil(alpha N / K), samples.
     """
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     k = len(sizes)
-    fig = Figure(figsize=(max(5.5, 0.55 * k + 3), 3.6), layout="constrained")
+    fig = _figure(figsize=(max(5.5, 0.55 * k + 3), 3.6))
     ax = fig.add_subplot()
     x = np.arange(k)
     before = ax.bar(x - 0.2, kmeans_sizes, width=0.4, color=color(0))
@@ -142,7 +160,7 @@ def cluster_sizes_figure(
     if k <= 20:
         ax.set_xticks(x)
     else:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _integer_x_ticks(ax)
     ax.set_title(f"Cluster sizes, K = {k}: k-means and after the capacity step", fontsize=10)
     _outside_legend(
         fig,
@@ -195,13 +213,11 @@ def pca_map_figure(
         max_points: rows drawn at most (a seeded sample).
         seed: the sample's seed.
     """
-    from matplotlib.figure import Figure
-
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(x), size=min(len(x), max_points), replace=False)
     xy, var = explained_variance(x[idx])
     lab = np.asarray(labels)[idx]
-    fig = Figure(figsize=(7, 4.6), layout="constrained")
+    fig = _figure(figsize=(7, 4.6))
     ax = fig.add_subplot()
     handles, names = [], []
     for c in np.unique(lab):
@@ -257,18 +273,15 @@ def loss_curves_figure(steps: Sequence[int], per_rank: Sequence[Sequence[float]]
         per_rank: (S, K) loss per step and rank, nats/token: each rank's mean over its
             response tokens, before the rank weight w_c multiplies it.
     """
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     arr = np.asarray(per_rank, dtype=float)
     ranks = arr.shape[1] if arr.ndim == 2 else 0
-    fig = Figure(figsize=(7, 3.8), layout="constrained")
+    fig = _figure(figsize=(7, 3.8))
     ax = fig.add_subplot()
     lines = [_raw_and_smoothed(ax, steps, arr[:, r], color(r)) for r in range(ranks)]
     window = smoothing_window(len(steps))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _integer_x_ticks(ax)
     how = f"bold: mean over {window} steps, faint: each step" if window > 1 else "each step"
     ax.set_title(f"Training loss per rank, before the rank weight w_c\n({how})", fontsize=10)
     _outside_legend(fig, lines, [f"rank {r}" for r in range(ranks)], ncols=8)
@@ -283,17 +296,14 @@ def useful_compute_figure(steps: Sequence[int], fractions: Sequence[float]) -> F
         fractions: (S,) real tokens / (ranks x the busiest rank's tensor tokens) of the step
             (training/plan.py): 1 = no padding and no rank waits for another.
     """
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    fig = _figure(figsize=(7, 3.6))
     ax = fig.add_subplot()
     (line,) = ax.plot(steps, fractions, marker=".", color=color(0), linewidth=1.5)
     ideal = ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_ylim(0, 1.08)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("useful compute (fraction)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _integer_x_ticks(ax)
     mean = float(np.nanmean(np.asarray(fractions, dtype=float))) if len(fractions) else math.nan
     ax.set_title(
         f"Useful compute per step (mean {mean:.3f})\n"
@@ -314,10 +324,7 @@ def run_loss_curves_figure(
         curves: run name -> (optimizer step, loss in nats/token, mean over ranks) per step.
         groups: run name -> its group (what seeds are averaged over).
     """
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(7.5, 4), layout="constrained")
+    fig = _figure(figsize=(7.5, 4))
     ax = fig.add_subplot()
     order = list(dict.fromkeys(groups[name] for name in curves))
     styles = ["-", "--", ":", "-."]
@@ -335,7 +342,7 @@ def run_loss_curves_figure(
     window = smoothing_window(longest)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/token, mean over ranks)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _integer_x_ticks(ax)
     how = "bold: smoothed, faint: each step" if window > 1 else "each step"
     ax.set_title(f"Training loss of each compared run ({how})", fontsize=10)
     _outside_legend(fig, lines, names, ncols=2)
@@ -355,9 +362,7 @@ def time_vs_fraction_figure(
         estimate: (data fraction, training seconds) of the run the estimate starts from, or
             None when full-data training was measured.
     """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), layout="constrained")
+    fig = _figure(figsize=(7, 4))
     ax = fig.add_subplot()
     order = list(dict.fromkeys(g for _, _, g in points))
     handles, names = [], []
@@ -397,13 +402,10 @@ def metric_differences_figure(
         base_values: metric -> the base model's value.
         units: metric -> its unit (``nats/token``, ``fraction of problems``).
     """
-    from matplotlib.figure import Figure
-
     metrics = list(dict.fromkeys(c.metric for c in comparisons))
     groups = list(dict.fromkeys(c.candidate for c in comparisons))
-    fig = Figure(
+    fig = _figure(
         figsize=(4.2 * max(1, len(metrics)) + 1.5, 1.2 + 0.45 * max(2, len(groups))),
-        layout="constrained",
     )
     axes = fig.subplots(1, max(1, len(metrics)), squeeze=False, sharey=True)[0]
     for ax, metric in zip(axes, metrics, strict=False):
@@ -492,12 +494,11 @@ def decision_figure(
         full_note: how full-data training time was obtained (measured or estimated), for the
             x label.
     """
-    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     kinds = list(dict.fromkeys(p.kind for p in points))
     groups = list(dict.fromkeys(p.group for p in points))
-    fig = Figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6), layout="constrained")
+    fig = _figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6))
     axes = fig.subplots(1, max(1, len(kinds)), squeeze=False)[0]
     metric = points[0].comparison.metric if points else ""
     lower = points[0].comparison.lower_is_better if points else True

@@ -205,15 +205,14 @@ def save_checkpoint(
     saved with ``torch.save``, + whatever ``also(folder)`` writes) into ``out_dir``, atomically:
     written to a temporary sibling folder, then renamed over ``out_dir``, so a killed save
     leaves no half checkpoint."""
+    import torch
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
-        if extra:
-            import torch
-
         for name, obj in (extra or {}).items():
             torch.save(obj, tmp / name)
         if also is not None:
