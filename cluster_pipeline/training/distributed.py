@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -146,6 +147,14 @@ def run_entry_point(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # peft reads transformers' deprecated ``is_gradient_checkpointing`` whenever it wraps a
+    # model (LoRA training, less's warm-up checkpoints): one FutureWarning per rank and adapter
+    # in the run's log, which users cannot act on; only that one is silenced.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`is_gradient_checkpointing` is deprecated",
+        category=FutureWarning,
+    )
     env = init_distributed()
     # On success, leave the process group cleanly; on an error, exit without tearing it down
     # first, so the peers' errors do not race ahead of this rank's own (see @record).
