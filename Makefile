@@ -75,14 +75,15 @@ run: setup
 	@echo "report: data/reports/$(DATASET)/eval_report.md"
 
 # The whole test suite, slow end-to-end tests included (what CI runs), spread over up to 4
-# pytest-xdist workers (one per core). Tests are handed out one at a time, so the last minutes
-# are not one long file on one worker while the other idles; a module whose module- or
+# pytest-xdist workers (one per core). Tests are handed out one at a time, slow ones first
+# (conftest.py), so the last minutes are short tests on every worker, not one long test on one
+# worker while the other idles; a module whose module- or
 # session-scoped fixture is costly (the web UI's server, the Slurm cluster) carries an
 # xdist_group mark and stays on one worker. Most slow tests wait on the processes they start;
 # two workers keep both cores busy.
 TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --maxprocesses=4 --durations=30 \
+	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --maxprocesses=4 --durations=50 \
 		--dist loadgroup
 
 # The fast unit tests only.

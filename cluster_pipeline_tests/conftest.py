@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster_pipeline_tests.helpers import build_model, build_tokenizer, tiny_records, write_jsonl
+from cluster_pipeline_tests.helpers import (
+    build_model,
+    build_tokenizer,
+    materialize_partition,
+    pipeline_assets,
+    resources,
+    run_config_for,
+    tiny_records,
+    write_jsonl,
+)
 
 
 def pytest_configure(config):
@@ -23,7 +32,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``@pytest.mark.gpu`` tests, with the reason, where torch sees no CUDA device."""
+    """Run slow tests first (in their files' order): pytest-xdist hands tests out in this
+    order (after the ``xdist_group`` groups, which ``--dist loadgroup`` hands out first, largest
+    first), so the workers end on short tests instead of one worker finishing a minutes-long
+    end-to-end test while the others idle. Skip ``@pytest.mark.gpu`` tests, with the reason,
+    where torch sees no CUDA device."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
@@ -77,6 +91,31 @@ def tiny_data_dir(tmp_path) -> Path:
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
     return data
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_cache(tmp_path_factory, tiny_model_dir) -> Path:
+    """The embedding cache folder of partition ``tiny`` (``<data>/cache/embeddings/tiny``): all
+    60 samples of :func:`tiny_records` (no held-out split, so any split of them is cached)
+    embedded once per worker by a real ``proxy_embeddings`` run under the tests' embedding
+    settings and tiny model; built when a test first asks for it.
+    :func:`~cluster_pipeline_tests.helpers.seed_embeddings` copies it into a test's data
+    folder."""
+    import dagster as dg
+
+    from cluster_pipeline.defs.partitions import DATASETS
+
+    data = tmp_path_factory.mktemp("embedding_cache") / "data"
+    write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(DATASETS, ["tiny"])
+        assets = pipeline_assets()[:2]
+        config = run_config_for(assets, raw_instructions={"heldout_fraction": 0.0})
+        result = materialize_partition(
+            assets, instance, resources(data, tiny_model_dir), run_config=config
+        )
+        assert result.success
+    return data / "cache" / "embeddings" / "tiny"
 
 
 @pytest.fixture(autouse=True)

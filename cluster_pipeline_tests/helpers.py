@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,19 @@ def tiny_records(n: int = 60) -> list[dict]:
                 }
             )
     return out
+
+
+def seed_embeddings(cache: Path, data_dir: Path) -> None:
+    """Copy the embedding cache of partition ``tiny`` (conftest's ``tiny_embedding_cache``)
+    into the data folder ``data_dir``.
+
+    For tests whose point lies downstream of the embedding pass: the product's per-sample
+    cache (keyed by model content and embedding settings, not by paths or world size) then
+    serves every sample of the 60-sample ``tiny`` dataset, and ``proxy_embeddings`` reads it
+    instead of launching torchrun (10-15 s of CPU per launch). The pass itself is tested
+    without it (test_proxy_embeddings_asset.py, the seven-asset run of test_pipeline_e2e.py,
+    recipes/test_embed.py, the run, queue and kill tests)."""
+    shutil.copytree(cache, data_dir / "cache" / "embeddings" / "tiny")
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

@@ -20,6 +20,7 @@ from cluster_pipeline_tests.helpers import (
     meta,
     pipeline_assets,
     resources,
+    seed_embeddings,
 )
 
 ASSETS = pipeline_assets()
@@ -172,7 +173,10 @@ def test_benchmarks_are_configured_per_dataset(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_compares_selectors_and_seeds(tiny_data_dir, tiny_model_dir, tmp_path):
+def test_report_compares_selectors_and_seeds(
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache, tmp_path
+):
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     (eval_dir / "mbpp_reworded.json").write_text(

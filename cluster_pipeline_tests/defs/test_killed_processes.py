@@ -25,6 +25,7 @@ from cluster_pipeline_tests.helpers import (
     read,
     resources,
     run_config_for,
+    seed_embeddings,
     step_failure,
 )
 
@@ -108,7 +109,11 @@ def sigkill_when(match: Callable[[psutil.Process], bool], parent: bool = False) 
         thread.join()
 
 
-def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_model_dir):
+def test_a_rank_or_evaluation_killed_by_a_signal_is_named(
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache
+):
+    # The killed pass below has chunks of 4 samples, another cache key: it runs in full.
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     res = resources(tiny_data_dir, tiny_model_dir)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
@@ -158,10 +163,11 @@ def test_a_rank_or_evaluation_killed_by_a_signal_is_named(tiny_data_dir, tiny_mo
 
 
 def test_a_step_process_killed_by_a_signal_is_named_and_leaves_no_process(
-    tiny_data_dir, tiny_model_dir, tmp_path
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache, tmp_path
 ):
     """The multiprocess executor (the project's executor) names a step process's signal and
     the likely cause; the evaluation it had started dies with it."""
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     res = resources(tiny_data_dir, tiny_model_dir)
     home = tmp_path / "dagster_home"
     home.mkdir()

@@ -23,6 +23,7 @@ from cluster_pipeline_tests.helpers import (
     read,
     resources,
     run_config_for,
+    seed_embeddings,
     step_failure,
     tiny_records,
     write_jsonl,
@@ -34,9 +35,12 @@ ASSETS = pipeline_assets()
 CHAIN = ["proxy_embeddings", "balanced_clusters", "peripheral_subsets", "shard_manifests"]
 
 
-def test_lineage_after_a_rerun_and_training_preflight(tmp_path, tiny_model_dir, capsys):
+def test_lineage_after_a_rerun_and_training_preflight(
+    tmp_path, tiny_model_dir, tiny_embedding_cache, capsys
+):
     data = tmp_path / "data"
     write_jsonl(data / "raw" / "tiny" / "a.jsonl", tiny_records(60))
+    seed_embeddings(tiny_embedding_cache, data)
     layout = DataLayout.at(data)
     res = resources(data, tiny_model_dir)
     with dg.instance_for_test() as instance:

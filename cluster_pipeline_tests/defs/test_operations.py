@@ -16,12 +16,13 @@ from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.schedules import changed_datasets, nightly_selection_refresh
 from cluster_pipeline.defs.sensors import dataset_folders_sensor
 from cluster_pipeline_tests.helpers import (
-    RUN_CONFIG,
     materialize_partition,
     meta,
     pipeline_assets,
     read,
     resources,
+    run_config_for,
+    seed_embeddings,
     step_failure,
     tiny_records,
     write_jsonl,
@@ -188,15 +189,20 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_schedule_lineage_and_subset_versions(tiny_data_dir, tiny_model_dir, capsys):
+def test_schedule_lineage_and_subset_versions(
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache, capsys
+):
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     storage = StorageResource(data_dir=str(tiny_data_dir))
     res = resources(tiny_data_dir, tiny_model_dir)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny", "python_stdlib"])
         # Never materialized: both datasets count as changed.
         assert set(changed_datasets(instance, storage)) == {"tiny", "python_stdlib"}
+        # Through training (sample_lineage reads the checkpoints; nothing here reads a report).
+        trained = [*ASSETS[:6], sample_lineage]
         assert materialize_partition(
-            [*ASSETS, sample_lineage], instance, res, run_config=RUN_CONFIG
+            trained, instance, res, run_config=run_config_for(trained)
         ).success
         assert set(changed_datasets(instance, storage)) == {"python_stdlib"}
         requests = nightly_selection_refresh(

@@ -16,6 +16,7 @@ import pytest
 
 from cluster_pipeline.defs.stages import SELECTION_STAGES
 from cluster_pipeline.storage.run_lock import PartitionLock
+from cluster_pipeline_tests.helpers import seed_embeddings
 from cluster_pipeline_tests.runs import (
     BIN,
     EMBED,
@@ -53,8 +54,11 @@ def _holder(project: Project, dataset: str = "tiny"):
     return PartitionLock(project.data / "locks" / f"{dataset}.lock").holder()
 
 
-def test_a_killed_step_or_worker_leaves_no_process_and_commits_nothing(tmp_path, tiny_model_dir):
+def test_a_killed_step_or_worker_leaves_no_process_and_commits_nothing(
+    tmp_path, tiny_model_dir, tiny_embedding_cache
+):
     with Project.create(tmp_path, tiny_model_dir) as project:
+        seed_embeddings(tiny_embedding_cache, project.data)  # the pass is not what dies here
         chain = ",".join(SELECTION_STAGES)
         out = project.materialize(chain, project.config("chain", SELECTION_STAGES))
         assert out.returncode == 0, out.stdout[-3000:]

@@ -34,6 +34,7 @@ from cluster_pipeline_tests.helpers import (
     read,
     resources,
     run_config_for,
+    seed_embeddings,
     step_failure,
     tiny_records,
     write_jsonl,
@@ -254,10 +255,13 @@ def _assert_tracked(uri: str, dagster_run: str, instance, ckpt: Path, weights) -
 
 
 @pytest.mark.slow
-def test_a_broken_manifest_fails_the_asset_before_torchrun(tiny_data_dir, tiny_model_dir):
+def test_a_broken_manifest_fails_the_asset_before_torchrun(
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache
+):
     """A manifest that is no longer a manifest is refused by the pre-flight check, naming the
     file and the next step, before any rank starts. (A rank that fails inside torchrun fails
     the asset with its error: test_killed_processes kills rank 1 of a real training.)"""
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])
         ok = materialize_partition(ASSETS[:5], instance, resources(tiny_data_dir, tiny_model_dir))
@@ -282,7 +286,7 @@ def test_a_broken_manifest_fails_the_asset_before_torchrun(tiny_data_dir, tiny_m
 
 @pytest.mark.slow
 def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
-    tiny_data_dir, tiny_model_dir
+    tiny_data_dir, tiny_model_dir, tiny_embedding_cache
 ):
     """Re-running raw_instructions (another split: other training samples) and
     proxy_embeddings after the chain was built must not leak into later stages run alone:
@@ -293,6 +297,7 @@ def test_downstream_stages_read_the_versions_their_inputs_were_built_from(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    seed_embeddings(tiny_embedding_cache, tiny_data_dir)
     res = resources(tiny_data_dir, tiny_model_dir, tracking_uri=down)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(DATASETS, ["tiny"])

@@ -492,17 +492,23 @@ CARD = "---\nlicense: cc-by-4.0\npretty_name: tiny\n---\n# tiny\n\nArithmetic an
 
 
 @pytest.fixture(scope="module")
-def selected(tmp_path_factory, tiny_model_dir) -> Path:
+def selected(tmp_path_factory, tiny_model_dir, tiny_embedding_cache) -> Path:
     """A project folder (``data/``, a Dagster instance in ``home/``) where ``raw_instructions ->
     shard_manifests`` and ``sample_lineage`` ran on the 60-sample dataset ``tiny``, whose folder
     has a card declaring its license."""
     from cluster_pipeline.defs.assets.sample_lineage import sample_lineage
     from cluster_pipeline.defs.partitions import DATASETS
-    from cluster_pipeline_tests.helpers import materialize_partition, pipeline_assets, resources
+    from cluster_pipeline_tests.helpers import (
+        materialize_partition,
+        pipeline_assets,
+        resources,
+        seed_embeddings,
+    )
 
     root = tmp_path_factory.mktemp("selected")
     data = root / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
+    seed_embeddings(tiny_embedding_cache, data)
     (data / "raw" / "tiny" / "README.md").write_text(CARD)
     (root / "home").mkdir()
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:

@@ -472,7 +472,7 @@ BATCH, ACCUMULATION, MAX_LENGTH, LR = 2, 2, 64, 1e-3
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_model_dir) -> dict:
+def exported(tmp_path_factory, tiny_model_dir, tiny_embedding_cache) -> dict:
     """``raw_instructions -> shard_manifests`` materialized on the 60-sample dataset ``tiny`` and
     exported to ``data/exports/tiny``; returns the data folder and the two stages' records."""
     import dagster as dg
@@ -486,12 +486,14 @@ def exported(tmp_path_factory, tiny_model_dir) -> dict:
         meta,
         pipeline_assets,
         resources,
+        seed_embeddings,
         write_jsonl,
     )
 
     root = tmp_path_factory.mktemp("exported")
     data = root / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
+    seed_embeddings(tiny_embedding_cache, data)
     (root / "home").mkdir()
     layout = DataLayout.at(data)
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:
