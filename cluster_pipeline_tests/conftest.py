@@ -104,6 +104,7 @@ def tiny_embedding_cache(tmp_path_factory, tiny_model_dir) -> Path:
     import dagster as dg
 
     from cluster_pipeline.defs.partitions import DATASETS
+    from cluster_pipeline.storage.layout import DataLayout
 
     data = tmp_path_factory.mktemp("embedding_cache") / "data"
     write_jsonl(data / "raw" / "tiny" / "samples.jsonl", tiny_records(60))
@@ -115,7 +116,7 @@ def tiny_embedding_cache(tmp_path_factory, tiny_model_dir) -> Path:
             assets, instance, resources(data, tiny_model_dir), run_config=config
         )
         assert result.success
-    return data / "cache" / "embeddings" / "tiny"
+    return DataLayout.at(data).embeddings_dir("tiny")
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ import polars as pl
 import torch
 
 from cluster_pipeline.evaluation.sandbox import sandbox_problem
+from cluster_pipeline.storage.layout import DataLayout
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -133,7 +134,7 @@ def seed_embeddings(cache: Path, data_dir: Path) -> None:
     instead of launching torchrun (10-15 s of CPU per launch). The pass itself is tested
     without it (test_proxy_embeddings_asset.py, the seven-asset run of test_pipeline_e2e.py,
     recipes/test_embed.py, the run, queue and kill tests)."""
-    shutil.copytree(cache, data_dir / "cache" / "embeddings" / "tiny")
+    shutil.copytree(cache, DataLayout.at(data_dir).embeddings_dir("tiny"))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

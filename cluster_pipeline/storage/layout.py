@@ -88,10 +88,14 @@ class DataLayout:
         """The Delta table of stage ``asset`` for ``dataset`` (every version lives there)."""
         return str(self.root / "tables" / asset / storage_name(dataset))
 
+    def embeddings_dir(self, dataset: str) -> Path:
+        """Every per-sample embedding cache of ``dataset``, one folder per key."""
+        return self.root / "cache" / "embeddings" / storage_name(dataset)
+
     def embedding_cache_dir(self, dataset: str, key: str) -> Path:
         """The per-sample embedding cache of ``dataset`` under ``key`` (model, tokenizer and
         settings)."""
-        return self.root / "cache" / "embeddings" / storage_name(dataset) / key
+        return self.embeddings_dir(dataset) / key
 
     def shards_dir(self, dataset: str, manifest_set_sha256: str) -> Path:
         """The folder of one manifest set (named by its content hash)."""
