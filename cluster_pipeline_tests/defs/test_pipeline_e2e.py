@@ -141,12 +141,15 @@ def test_all_seven_assets_on_a_tiny_model(tiny_data_dir, tiny_model_dir, monkeyp
         checks = result.get_asset_check_evaluations()
         assert {c.check_name for c in checks} == {"capacity", "equal_shards", "coverage", "weights"}
         assert all(c.passed for c in checks)
-        # Quiet logs: no rank prints transformers' weight-loading bars or torchrun's
-        # OMP_NUM_THREADS banner, and the report reaches the run's log as one line.
+        # Quiet logs: no rank prints transformers' weight-loading bars, torchrun's
+        # OMP_NUM_THREADS banner or a library warning, and the report reaches the run's log as
+        # one line.
         rank_logs = [p for p in tiny_data_dir.rglob("*.log") if ".logs" in str(p)]
         assert len(rank_logs) >= 6  # stdout and stderr of the embedding pass's and training's ranks
         noisy = [
-            p for p in rank_logs if re.search("Loading weights|OMP_NUM_THREADS", p.read_text())
+            p
+            for p in rank_logs
+            if re.search("Loading weights|OMP_NUM_THREADS|Warning", p.read_text())
         ]
         assert noisy == []
         messages = [
