@@ -106,6 +106,13 @@ def main() -> None:
         sys.exit(f"{SHARED} not found: the shared datasets lie beside the project")
     if args.pool < 2 * args.world_size:
         sys.exit(f"--pool {args.pool}: too small for {args.world_size} ranks")
+    targeted = [s for s in args.selectors if s in ("rds", "less")]
+    if targeted:  # refused now, not after the embedding pass the chain runs first
+        from cluster_pipeline.evaluation.targets import target_problem
+
+        problem = target_problem(args.target, None, "/".join(targeted))
+        if problem:
+            sys.exit(f"--target {args.target!r}: {problem}")
 
     from cluster_pipeline.cli.compare import compare_config
     from cluster_pipeline.defs.profiles import profile_run_config
