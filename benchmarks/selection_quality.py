@@ -467,6 +467,13 @@ def main() -> None:
     args = p.parse_args()
     if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:
         p.error("need --pool >= 8, --heldout >= 2, 0 < --ratio < 1 and seeds >= 0")
+    targeted = [s for s in args.peers if s in TARGETED]
+    if targeted:  # refused now, not after the other groups' hours of training
+        from cluster_pipeline.evaluation.targets import target_problem
+
+        problem = target_problem(args.target, None, "/".join(targeted))
+        if problem:
+            p.error(f"--target {args.target!r}: {problem}")
 
     from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 
