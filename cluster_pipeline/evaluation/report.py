@@ -156,29 +156,45 @@ class ModelResult:
 
 def evaluate_entries(
     entries: list[ModelEntry],
-    evaluate: Callable[[str], dict[str, Any]],
+    evaluate: Callable[[list[str], Callable[[str, dict[str, Any]], None]], None],
     cache: JsonCache,
     settings_key: str,
     current: str,
     log: Callable[[str], None] = print,
 ) -> tuple[list[ModelResult], dict[str, Any]]:
-    """Evaluate every entry with ``evaluate(path)`` (see
-    :func:`~cluster_pipeline.evaluation.suites.evaluate_model`), reusing ``cache`` entries keyed
-    by model path + stamp and ``settings_key``.
+    """Evaluate every entry (see :func:`~cluster_pipeline.evaluation.suites.evaluate_model`),
+    reusing ``cache`` entries keyed by model path + stamp and ``settings_key``.
+
+    ``evaluate(paths, done)`` evaluates the models at ``paths`` (those without a cached outcome,
+    all in one call) and calls ``done(path, outcome)`` for each one finished, also when it then
+    fails on a later one: finished outcomes are cached before its error propagates, so a rerun
+    evaluates only the rest.
 
     Returns (one result per entry, in order; ``{"tokens": held-out response tokens,
-    "sequences": skipped and truncated held-out samples}`` of the last evaluation).
+    "sequences": skipped and truncated held-out samples}`` of the last entry).
+
+    Raises:
+        KeyError: ``evaluate`` returned without an outcome for a path it was given.
     """
+    keys = {e.path: f"{stable_hash(e.cache_stamp(), length=12)}-{settings_key}" for e in entries}
+    outcomes: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        outcome = cache.get(keys[entry.path])
+        if outcome is not None and "items" in outcome:
+            log(f"{entry.name}: cached evaluation {cache.path(keys[entry.path]).name}")
+            outcomes[entry.path] = outcome
+    missing = [e for e in entries if e.path not in outcomes]
+    if missing:
+        log(f"evaluating {len(missing)} model(s) in one process: {[e.name for e in missing]}")
+
+        def done(path: str, outcome: dict[str, Any]) -> None:
+            cache.put(keys[path], outcome)
+            outcomes[path] = outcome
+
+        evaluate([e.path for e in missing], done)
     results, heldout = [], {"tokens": 0, "sequences": {}}
     for entry in entries:
-        key = f"{stable_hash(entry.cache_stamp(), length=12)}-{settings_key}"
-        outcome = cache.get(key)
-        if outcome is not None and "items" in outcome:
-            log(f"{entry.name}: cached evaluation {cache.path(key).name}")
-        else:
-            log(f"evaluating {entry.name}: {entry.path}")
-            outcome = evaluate(entry.path)
-            cache.put(key, outcome)
+        outcome = outcomes[entry.path]
         heldout = {
             "tokens": outcome["heldout_tokens"],
             "sequences": outcome.get("heldout_sequences", {}),

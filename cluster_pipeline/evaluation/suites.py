@@ -772,37 +772,42 @@ def evaluate_model(
     }
 
 
+class EvalModel(JobFile):
+    """One model of an evaluation job and the JSON file its outcome is written to."""
+
+    model_path: str
+    output: str
+
+
 class EvalJob(JobFile):
-    """One model's evaluation: settings, the model, the pinned held-out split's table, the
-    benchmarks and where their files are, and the JSON file the outcome is written to."""
+    """One report's evaluations in one process: settings, the models (each with its outcome
+    file), the pinned held-out split's table, the benchmarks and where their files are."""
 
     @classmethod
     def partial(
         cls, settings: EvalSettings, instructions, benchmarks: list[str], folders: Sequence[Path]
-    ) -> Callable[[str, str], EvalJob]:
-        """``(model path, outcome file) -> EvalJob`` for one report's models: the same settings,
-        held-out table version (``instructions``, a TableRef) and benchmarks for each."""
+    ) -> Callable[[list[EvalModel]], EvalJob]:
+        """``models -> EvalJob`` for one report: the same settings, held-out table version
+        (``instructions``, a TableRef) and benchmarks for each model."""
 
-        def job(model_path: str, output: str) -> EvalJob:
+        def job(models: list[EvalModel]) -> EvalJob:
             return cls(
                 settings=settings,
-                model_path=model_path,
+                models=models,
                 instructions_uri=instructions.uri,
                 instructions_version=instructions.version,
                 benchmarks=benchmarks,
                 eval_folders=[str(f) for f in folders],
-                output=output,
             )
 
         return job
 
     settings: EvalSettings
-    model_path: str
+    models: list[EvalModel] = Field(min_length=1)
     instructions_uri: str
     instructions_version: int = Field(ge=0)
     benchmarks: list[str]
     eval_folders: list[str]
-    output: str
 
 
 DEFAULT_BENCHMARKS = {"python_stdlib": ("humaneval", "mbpp")}

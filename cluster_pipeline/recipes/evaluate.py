@@ -1,12 +1,14 @@
-"""Evaluate one model (held-out loss, benchmarks) in its own process under torchrun.
+"""Evaluate a report's models (held-out loss, benchmarks) in one process under torchrun.
 
     torchrun --standalone --nproc_per_node=1 -m cluster_pipeline.recipes.evaluate --config job.json
 
-``eval_report`` runs one such process per model, so a process that dies (the kernel's
-out-of-memory killer, a crash in native code) is named with its signal and likely cause exactly
-like an embedding or training rank, and the step process survives to say so. The outcome of
-:func:`~cluster_pipeline.evaluation.suites.evaluate_model` is written as JSON to the job's
-``output`` (atomically: a killed process leaves no partial file).
+``eval_report`` runs one such process for all the models it has no cached outcome of (the
+held-out split and the benchmarks are read once, each model loaded in turn), so a process that
+dies (the kernel's out-of-memory killer, a crash in native code) is named with its signal and
+likely cause exactly like an embedding or training rank, and the step process survives to say
+so. Each model's outcome of :func:`~cluster_pipeline.evaluation.suites.evaluate_model` is
+written as JSON to its ``output`` as soon as that model is done (atomically: a killed process
+leaves no partial file, and the models evaluated before it stay usable).
 """
 
 if __name__ == "__main__":
@@ -29,24 +31,26 @@ from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_p
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    """One model's evaluation, from ``--config <EvalJob JSON>``."""
+    """A report's evaluations, from ``--config <EvalJob JSON>``."""
     run_entry_point(EvalJob, evaluate, argv, __doc__ or "")
 
 
 def evaluate(job: EvalJob, env: DistEnv, report: Reporter) -> None:
-    """Evaluate ``job.model_path`` on the held-out split of the pinned table and the job's
-    benchmarks; rank 0 writes the outcome to ``job.output``."""
+    """Evaluate each of ``job.models`` in turn on the held-out split of the pinned table and the
+    job's benchmarks; rank 0 writes each model's outcome to its ``output`` once it is done."""
     heldout = pl.read_delta(job.instructions_uri, version=job.instructions_version).filter(
         pl.col("split") == "heldout"
     )
     suites, _ = load_suites(job.benchmarks, job.settings, [Path(f) for f in job.eval_folders])
-    outcome = evaluate_model(job.model_path, heldout, suites, job.settings, report.info)
-    if env.is_main:
-        out = Path(job.output)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(outcome, default=str))
-        check_alive(f"write the evaluation outcome {out}")
-        os.replace(tmp, out)
+    for i, model in enumerate(job.models, 1):
+        report.info(f"model {i}/{len(job.models)}: {model.model_path}")
+        outcome = evaluate_model(model.model_path, heldout, suites, job.settings, report.info)
+        if env.is_main:
+            out = Path(model.output)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps(outcome, default=str))
+            check_alive(f"write the evaluation outcome {out}")
+            os.replace(tmp, out)
 
 
 if __name__ == "__main__":

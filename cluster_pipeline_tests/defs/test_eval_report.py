@@ -394,3 +394,49 @@ def test_a_targeted_selector_is_named_with_its_target_set():
         "rds r=0.5 target=mmlu_medical",
         "peripheral r=0.5",
     ]
+
+
+def test_models_finished_before_an_evaluation_fails_are_cached_and_not_evaluated_again(tmp_path):
+    """One evaluation process runs every model without a cached outcome; when it dies on a later
+    model, the ones it finished are cached, and the rerun evaluates only the rest."""
+    from cluster_pipeline.evaluation.report import ModelEntry, evaluate_entries
+    from cluster_pipeline.storage.cache import JsonCache
+    from cluster_pipeline.training.checkpointing import TRAINING_INFO, Checkpoint
+
+    entries = []
+    for name in ("a", "b", "c"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / TRAINING_INFO).write_text("{}")
+        entries.append(ModelEntry(name, "g", str(folder), Checkpoint(folder, {})))
+    paths = [e.path for e in entries]
+
+    def outcome(path: str) -> dict:
+        loss = float(paths.index(path) + 1)
+        items = {"heldout_loss": {"ids": ["s"], "weights": [1.0], "values": [loss]}}
+        return {"metrics": {"heldout_loss": loss}, "items": items, "heldout_tokens": 7}
+
+    calls: list[list[str]] = []
+
+    def dies_on_the_second(asked: list[str], done) -> None:
+        calls.append(asked)
+        done(asked[0], outcome(asked[0]))
+        raise RuntimeError("killed by signal SIGKILL")
+
+    def evaluates_all(asked: list[str], done) -> None:
+        calls.append(asked)
+        for path in asked:
+            done(path, outcome(path))
+
+    cache = JsonCache(tmp_path / "evals")
+    with pytest.raises(RuntimeError, match="SIGKILL"):
+        evaluate_entries(entries, dies_on_the_second, cache, "k", current=paths[2], log=print)
+    assert calls == [paths] and len(list(cache.folder.glob("*.json"))) == 1
+    results, heldout = evaluate_entries(
+        entries, evaluates_all, cache, "k", current=paths[2], log=print
+    )
+    assert calls == [paths, paths[1:]]  # "a" came from the cache
+    assert [r.metrics["heldout_loss"] for r in results] == [1.0, 2.0, 3.0]
+    assert [r.current for r in results] == [False, False, True] and heldout["tokens"] == 7
+    evaluate_entries(entries, evaluates_all, cache, "k", current=paths[2], log=print)
+    assert len(calls) == 2  # everything cached: no process at all

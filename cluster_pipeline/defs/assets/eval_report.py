@@ -27,7 +27,7 @@ from cluster_pipeline.evaluation.report import (
     render_report,
 )
 from cluster_pipeline.evaluation.sandbox import sandbox_problem
-from cluster_pipeline.evaluation.suites import EvalJob, EvalSettings, plan_suites
+from cluster_pipeline.evaluation.suites import EvalJob, EvalModel, EvalSettings, plan_suites
 from cluster_pipeline.launch.torchrun import RECIPES
 from cluster_pipeline.storage.cache import JsonCache, stable_hash
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR
@@ -64,10 +64,10 @@ def eval_report(
     perplexity on the held-out split of the raw_instructions version the checkpoint was trained
     from, the dataset's benchmarks (HumanEval / MBPP pass@1, MMLU accuracy), training seconds
     and data fraction. Written as standalone Markdown with PNG plots to
-    ``data/reports/<dataset>/``. Each model is evaluated in its own process
-    (:mod:`cluster_pipeline.recipes.evaluate` under torchrun), so one killed by a signal is
-    named with the likely cause. The metrics, the report and its plots also go into the
-    checkpoint's MLflow run (the tracking resource).
+    ``data/reports/<dataset>/``. The models without a cached evaluation are evaluated in one
+    process (:mod:`cluster_pipeline.recipes.evaluate` under torchrun), so one killed by a signal
+    is named with the likely cause; the models it finished before are cached. The metrics,
+    the report and its plots also go into the checkpoint's MLflow run (the tracking resource).
     """
     dataset, layout = context.partition_key, storage.layout
     trained = read_record(context, TrainedCheckpointRecord)
@@ -251,16 +251,29 @@ def _record(report, results, scores, path, checkpoint: str, heldout_stats) -> Ev
 
 
 def _evaluator(context, torchrun, pipes_client, job_of, run_dir: Path):
-    """``path -> outcome``: one model's evaluation in its own process (torchrun, one rank, on
-    this machine), its job file, logs (``<job>.logs/``) and outcome under ``run_dir``, one set
-    per model (a new evaluation of the same model replaces them; the cache keeps outcomes)."""
+    """``(paths, done)``: the models at ``paths`` evaluated in one process (torchrun, one rank,
+    on this machine), its job file and logs (``<job>.logs/``) under ``run_dir``, and one outcome
+    file per model (``<hash of its path>.outcome.json``; a new evaluation of the same model
+    replaces it: the cache keeps outcomes). ``done(path, outcome)`` is called for each model
+    whose outcome the process wrote, also when the process then failed on a later one."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    def evaluate(path: str) -> dict:
-        name = stable_hash(path, length=12)
-        job = job_of(path, str(run_dir / f"{name}.outcome.json"))
-        job_file = job.dump(run_dir / f"{name}.job.json")
-        torchrun.run(context, pipes_client, RECIPES["evaluate"], 1, job_file, local=True)
-        return json.loads(Path(job.output).read_text())
+    def evaluate(paths: list[str], done) -> None:
+        models = [
+            EvalModel(
+                model_path=p, output=str(run_dir / f"{stable_hash(p, length=12)}.outcome.json")
+            )
+            for p in paths
+        ]
+        for model in models:  # an outcome left by an earlier evaluation is not this one's
+            Path(model.output).unlink(missing_ok=True)
+        job_file = job_of(models).dump(run_dir / f"{stable_hash(paths, length=12)}.job.json")
+        try:
+            torchrun.run(context, pipes_client, RECIPES["evaluate"], 1, job_file, local=True)
+        finally:
+            for model in models:
+                out = Path(model.output)
+                if out.exists():
+                    done(model.model_path, json.loads(out.read_text()))
 
     return evaluate
