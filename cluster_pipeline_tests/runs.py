@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,9 @@ import dagster as dg
 import psutil
 import yaml
 
+from cluster_pipeline.data.datasets import discover_datasets
+from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
+from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import RUN_CONFIG, tiny_records, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +60,13 @@ class Project:
         }
         env.pop("CLUSTER_PIPELINE_RUN_GUARD", None)
         project = cls(root, data, home, env)
-        # Registers the partitions and installs the project's dagster.yaml into DAGSTER_HOME.
-        project.cli("cluster-pipeline", "datasets", "sync", check=True)
+        # What `cluster-pipeline datasets sync` does (cli/register.py; the CLI's own tests are in
+        # defs/test_operations.py), in this process rather than a new one: the project's
+        # dagster.yaml installed into DAGSTER_HOME and a partition per dataset registered.
+        home.mkdir(parents=True)
+        shutil.copyfile(INSTANCE_SETTINGS, home / "dagster.yaml")
+        with project.instance() as instance:
+            instance.add_dynamic_partitions(DATASETS, list(discover_datasets(data / "raw")))
         return project
 
     def cli(self, *args: str, check: bool = False, timeout: float = 600, **env: str):
