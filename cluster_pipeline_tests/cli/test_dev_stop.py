@@ -95,10 +95,18 @@ def _tree(pid: int) -> dict[str, psutil.Process] | None:
     return roles if len(roles) == 6 else None
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie; a process that exits between the two questions is gone."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _seconds_until_all_gone(procs: list[psutil.Process], timeout: float = 60) -> float:
     start = time.monotonic()
     while True:
-        left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = [p for p in procs if _running(p)]
         if not left:
             return time.monotonic() - start
         if time.monotonic() - start > timeout:

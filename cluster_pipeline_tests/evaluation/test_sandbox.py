@@ -12,6 +12,11 @@ import pytest
 from cluster_pipeline.evaluation.sandbox import SandboxUnavailableError, run_python, sandbox_problem
 from cluster_pipeline.storage.layout import PROJECT_ROOT, default_data_dir
 
+# One xdist worker runs this module, one test at a time: as root the sandbox runs programs as
+# `nobody`, and RLIMIT_NPROC counts every process of that user on the machine, so the fork bomb
+# on one worker made the setsid test's fork fail on the other ("failed", not "passed").
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 # bubblewrap is installed by `make setup` and .ci/run; only a machine that refuses namespaces
 # (some containers) cannot run these, and they say why.
 isolated = pytest.mark.skipif(
