@@ -276,6 +276,7 @@ def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
     writes with ``cluster-pipeline run-config`` and passes to ``dagster job execute -j main_job``;
     main_job_gpu8's opens with the gpu8 profile's."""
     import yaml
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     url, _ = webserver
     dry_run = subprocess.run(
@@ -298,9 +299,19 @@ def test_the_launchpad_starts_with_the_config_make_run_passes(webserver):
             )
             page.locator(".CodeMirror").first.wait_for(timeout=30000)
             # A dataset partition is required; picking it loads the job's config for it.
-            page.get_by_placeholder("Partition").click()
-            page.get_by_placeholder("Partition").fill("tiny")
-            page.get_by_role("menuitem", name="tiny").first.click()
+            # The list fills once the partitions have loaded; typed before that, the box shows
+            # no match (seen once under load): type again until the item shows.
+            item = page.get_by_role("menuitem", name="tiny").first
+            for _ in range(6):
+                page.get_by_placeholder("Partition").click()
+                page.get_by_placeholder("Partition").fill("")
+                page.get_by_placeholder("Partition").fill("tiny")
+                try:
+                    item.wait_for(timeout=10000)
+                    break
+                except PlaywrightTimeout:
+                    page.keyboard.press("Escape")
+            item.click()
             text = ""
             for _ in range(40):  # the editor fills once the job's config has loaded
                 text = page.evaluate(
