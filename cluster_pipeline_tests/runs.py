@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,8 +18,8 @@ import dagster as dg
 import psutil
 import yaml
 
+from cluster_pipeline.cli.register import prepare_instance_home
 from cluster_pipeline.data.datasets import discover_datasets
-from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline_tests.helpers import RUN_CONFIG, tiny_records, write_jsonl
 
@@ -63,8 +62,7 @@ class Project:
         # What `cluster-pipeline datasets sync` does (cli/register.py; the CLI's own tests are in
         # defs/test_operations.py), in this process rather than a new one: the project's
         # dagster.yaml installed into DAGSTER_HOME and a partition per dataset registered.
-        home.mkdir(parents=True)
-        shutil.copyfile(INSTANCE_SETTINGS, home / "dagster.yaml")
+        prepare_instance_home(home)
         with project.instance() as instance:
             instance.add_dynamic_partitions(DATASETS, list(discover_datasets(data / "raw")))
         return project

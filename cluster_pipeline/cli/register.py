@@ -15,6 +15,7 @@ import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from cluster_pipeline.cli import UserError, instance_home
 from cluster_pipeline.data.datasets import discover_datasets, refused_datasets
@@ -34,6 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit with an error unless dataset "
         "NAME is found (built in, or a folder data/raw/NAME/ with data files)",
     )
+
+
+def prepare_instance_home(home: Path) -> Path:
+    """The instance folder, as `make` prepares it: created if missing (which Dagster refuses),
+    with the project's dagster.yaml unless a non-empty one is there. Returns ``home``."""
+    home.mkdir(parents=True, exist_ok=True)
+    settings = home / "dagster.yaml"
+    if not settings.exists() or settings.stat().st_size == 0:
+        shutil.copyfile(INSTANCE_SETTINGS, settings)
+    return home
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -58,13 +69,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             f"dataset {args.require!r} not found: no folder {folder} with {files} files. "
             f"Datasets found: {', '.join(found)}."
         )
-    # The instance folder, as `make` prepares it: $DAGSTER_HOME (created if missing, which
-    # Dagster refuses), else <project>/.dagster_home.
-    home = instance_home()
-    home.mkdir(parents=True, exist_ok=True)
-    settings = home / "dagster.yaml"
-    if not settings.exists() or settings.stat().st_size == 0:
-        shutil.copyfile(INSTANCE_SETTINGS, settings)
+    home = prepare_instance_home(instance_home())
     os.environ["DAGSTER_HOME"] = str(home)
     with dg.DagsterInstance.get() as instance:
         known = set(instance.get_dynamic_partitions(DATASETS))
