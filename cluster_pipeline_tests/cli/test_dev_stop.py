@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from contextlib import contextmanager
 
@@ -25,6 +24,7 @@ from cluster_pipeline_tests.runs import (
     processes,
     run_of,
     runs_module,
+    seconds_until_gone,
     wait_for,
 )
 
@@ -95,25 +95,6 @@ def _tree(pid: int) -> dict[str, psutil.Process] | None:
     return roles if len(roles) == 6 else None
 
 
-def _running(proc: psutil.Process) -> bool:
-    """Alive and not a zombie; a process that exits between the two questions is gone."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _seconds_until_all_gone(procs: list[psutil.Process], timeout: float = 60) -> float:
-    start = time.monotonic()
-    while True:
-        left = [p for p in procs if _running(p)]
-        if not left:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"still running: {[' '.join(p.cmdline())[:80] for p in left]}")
-        time.sleep(0.05)
-
-
 # One case per path through the supervisor (cli/dev.py); each starts a whole `make dev` (20-40 s),
 # so a signal that takes the same path as a listed one is not repeated (dagster dev exits on
 # SIGINT as on SIGTERM; a process group gets SIGTERM as it gets SIGINT; make forwards SIGTERM
@@ -136,7 +117,7 @@ def test_make_dev_stops_within_10_s(tmp_path, tiny_model_dir, target, sig, ignor
                 os.killpg(make.pid, sig)  # make leads its session's one process group
             else:
                 tree[target].send_signal(sig)
-            seconds = _seconds_until_all_gone(everything)
+            seconds = seconds_until_gone([p.pid for p in everything])
             print(f"{target} {sig.name}: all {len(everything)} processes gone in {seconds:.1f} s")
             assert seconds < LIMIT_S, project.log("dev")[-3000:]
             assert make.wait(timeout=5) != 0
@@ -183,7 +164,7 @@ def test_a_run_in_progress_stays_resumable(tmp_path, tiny_model_dir):
             everything = [p for p in everything if WATCHDOG not in " ".join(p.cmdline())]
             assert any(EMBED in p.cmdline() for p in everything)
             make.send_signal(signal.SIGTERM)
-            seconds = _seconds_until_all_gone(everything)
+            seconds = seconds_until_gone([p.pid for p in everything])
             print(f"make dev with a run: all {len(everything)} processes gone in {seconds:.1f} s")
             assert seconds < LIMIT_S, project.log("dev")[-3000:]
         done = sorted(p.name for p in (project.data / "cache").rglob("chunk_*.parquet"))
