@@ -57,7 +57,7 @@ from cluster_pipeline.data.tokenization import (
     prompt_ids,
 )
 from cluster_pipeline.evaluation.sandbox import check_sandbox, run_python
-from cluster_pipeline.storage.job_files import JobFile
+from cluster_pipeline.storage.job_files import JobFile, StrictModel
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 CHAT_STOP_SEQUENCES = ("\nif __name__", "\nprint(", "\nassert ", "\n# Test", "\n# Example")
@@ -772,7 +772,7 @@ def evaluate_model(
     }
 
 
-class EvalModel(JobFile):
+class EvalModel(StrictModel):
     """One model of an evaluation job and the JSON file its outcome is written to."""
 
     model_path: str

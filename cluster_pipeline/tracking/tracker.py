@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
-from cluster_pipeline.storage.job_files import _Model
+from cluster_pipeline.storage.job_files import StrictModel
 from cluster_pipeline.storage.layout import DataLayout
 from cluster_pipeline.tracking.settings import (
     SQLITE_PREFIX,
@@ -77,7 +77,7 @@ _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class TrackingTarget(_Model):
+class TrackingTarget(StrictModel):
     """Where a torchrun rank logs: the store, the run the asset opened, and the HTTP limits.
     Carried in a job file (``TrainJob.tracking``); rank 0 alone reads it."""
 

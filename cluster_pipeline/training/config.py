@@ -16,14 +16,14 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from cluster_pipeline.data.tokenization import PackingSettings, SequenceSettings
-from cluster_pipeline.storage.job_files import JobFile, _Model
+from cluster_pipeline.storage.job_files import JobFile, StrictModel
 from cluster_pipeline.tracking.tracker import TrackingTarget
 
 Schedule = Literal["cosine", "linear", "constant"]
 Parallelism = Literal["ddp", "fsdp"]
 
 
-class EmbedSettings(_Model, SequenceSettings, PackingSettings):
+class EmbedSettings(StrictModel, SequenceSettings, PackingSettings):
     """Knobs of the gradient-proxy embedding pass (docs/design.md, step 1); the sequence knobs
     (max_length, truncation, response_turns) are :class:`SequenceSettings`, the batching knobs
     (packing, max_packed_length) :class:`PackingSettings`."""
@@ -47,7 +47,7 @@ class EmbedSettings(_Model, SequenceSettings, PackingSettings):
         )
 
 
-class GradientPass(_Model):
+class GradientPass(StrictModel):
     """less's gradient pass (selection/selectors/less.py) in place of the embedding: each
     sample's LoRA gradient of its mean response loss under one warm-up checkpoint, Adam-
     preconditioned with that checkpoint's optimizer state (``adam``, the pool) or plain
@@ -91,7 +91,7 @@ class EmbedJob(JobFile):
     progress_every_s: float = Field(default=30.0, gt=0)
 
 
-class TrainSettings(_Model, SequenceSettings, PackingSettings):
+class TrainSettings(StrictModel, SequenceSettings, PackingSettings):
     """Knobs of data-parallel fine-tuning (docs/design.md, steps 4-5); the sequence knobs
     (max_length, truncation, response_turns) are :class:`SequenceSettings`, the batching knobs
     (packing, max_packed_length) :class:`PackingSettings`."""

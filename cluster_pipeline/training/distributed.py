@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cluster_pipeline.launch.fate import die_with_parent
-from cluster_pipeline.storage.job_files import JobFile
+from cluster_pipeline.storage.job_files import JobFile, JobFileError
 
 J = TypeVar("J", bound=JobFile)
 
@@ -135,13 +135,27 @@ def run_entry_point(
 ) -> None:
     """The shared ``main`` of a torchrun entry point: read ``--config`` as a ``job_cls`` job
     file (validated), join the process group, run ``body`` with rank 0's reporter, and leave
-    the group. Call it from a ``main`` wrapped in torch's ``@record``."""
+    the group. Call it from a ``main`` wrapped in torch's ``@record``.
+
+    Raises:
+        JobFileError: under torchrun, a job file that cannot be read or is invalid (recorded
+            by ``@record`` for the launch's failure summary). Run without torchrun, the same
+            message goes to stderr as argparse's error and the process exits with status 2.
+    """
     parser = argparse.ArgumentParser(
         description=description.splitlines()[0] if description else None
     )
     parser.add_argument("--config", required=True, help=f"{job_cls.__name__} JSON file")
     args = parser.parse_args(argv)
-    job = job_cls.load(args.config)
+    try:
+        job = job_cls.load(args.config)
+    except JobFileError as e:
+        # Under torchrun, @record writes the error to the file the launch's failure summary
+        # reads (``TORCHELASTIC_ERROR_FILE``): raise. Run by hand, argparse's one-line error
+        # and exit status 2, not a traceback before the message.
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            raise
+        parser.error(str(e))
     # Every rank would print transformers' "Loading weights" bar into the run's logs, several
     # lines per model load and rank; the stages report their own progress instead.
     from transformers.utils import logging as hf_logging
