@@ -74,11 +74,14 @@ format: setup
 
 # The main job, all seven stages, on one dataset partition (default: the built-in python_stdlib),
 # with a size profile's config (cluster_pipeline/defs/profiles.py): the same job and config as
-# the launchpad of main_job (main_job_<profile> for other profiles) shows.
+# the launchpad of main_job (main_job_<profile> for other profiles) shows. Dagster 1.13 marks
+# `dagster job execute` superseded by `dg launch` (the dagster-dg-cli package, not a
+# dependency); the command still runs the job in process, so its notice is silenced.
 run: setup
 	$(INSTANCE)
 	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
 	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml
+	PYTHONWARNINGS='ignore:Function `job_execute_command` is superseded' \
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j $(JOB) -c .run_config.yaml \
 		--tags '{"dagster/partition": "$(DATASET)"}'
 	@echo "report: data/reports/$(DATASET)/eval_report.md"
