@@ -418,14 +418,17 @@ def print_dataset(out: dict) -> None:
             f"{r['train_seconds']:>8.1f} {ratio:>7.3f} {r['gradient_diversity']:>8.4f} "
             f"{r['grad_cosine']:>8.4f}"
         )
-    print(f"{'model':>36} {'vs':>36} {'metric':>24} {'difference [95% CI]':>30} {'MDD':>7} verdict")
+    print(
+        f"{'model':>36} {'vs':>36} {'metric':>24} {'difference [95% CI]':>30} {'p':>7} "
+        f"{'MDD':>7} verdict"
+    )
     for c in out["comparisons"]:
         if c["reference"] == "base":
             continue
         ci = f"{c['difference']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}]"
         print(
             f"{c['candidate']:>36} {c['reference']:>36} {c['metric']:>24} {ci:>30} "
-            f"{c['min_detectable']:>7.4f} {c['verdict']}"
+            f"{c.get('p_value', float('nan')):>7.4f} {c['min_detectable']:>7.4f} {c['verdict']}"
         )
 
 

@@ -88,9 +88,9 @@ def cost_table(rows: list[dict], full_seconds: float | None) -> str:
 
 
 def comparison_table(comparisons: list[Comparison]) -> str:
-    """One line per comparison: difference with its 95 % interval, relative difference,
-    minimum detectable difference and the verdict."""
-    head = ["model", "vs", "metric", "difference [95 % CI]", "relative", "detectable", "runs"]
+    """One line per comparison: difference with its 95 % interval, relative difference, the
+    sign-flip test's p, minimum detectable difference and the verdict."""
+    head = ["model", "vs", "metric", "difference [95 % CI]", "relative", "p", "detectable", "runs"]
     return markdown_table(
         [*head, "verdict"],
         (
@@ -100,6 +100,7 @@ def comparison_table(comparisons: list[Comparison]) -> str:
                 c.metric,
                 f"{signed(c.difference)} [{signed(c.low)}, {signed(c.high)}]",
                 f"{100 * c.relative:+.2f} %" if math.isfinite(c.relative) else "-",
+                p_text(c.p_value),
                 f"{c.min_detectable:.4f}",
                 f"{c.candidate_seeds} vs {c.reference_seeds}",
                 f"**{c.verdict}**",
@@ -118,10 +119,19 @@ def verdict_sentences(comparisons: list[Comparison], group: str) -> list[str]:
         direction = "lower is better" if c.lower_is_better else "higher is better"
         out.append(
             f"- against **{c.reference}** on {c.metric} ({direction}): **{c.verdict}** "
-            f"({signed(c.difference)}, 95 % CI [{signed(c.low)}, {signed(c.high)}]; "
+            f"({signed(c.difference)}, 95 % CI [{signed(c.low)}, {signed(c.high)}], "
+            f"p {p_text(c.p_value, equals=True)}, {c.items} items; "
             f"differences under {c.min_detectable:.4f} are not reliably detected here)"
         )
     return out
+
+
+def p_text(p: float, equals: bool = False) -> str:
+    """A p-value at 3 significant digits, ``< 0.001`` below that (``= 0.25`` / ``< 0.001``
+    with ``equals``)."""
+    if p < 0.001:
+        return "< 0.001"
+    return f"= {p:.3g}" if equals else f"{p:.3g}"
 
 
 def net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
@@ -322,7 +332,9 @@ def summary_markdown(
         f"### Was the subset worth it? `{group}`\n\n",
         "\n".join(sentences) if sentences else "- no reference to compare with",
         "\n\nPaired 95 % bootstrap intervals over the same held-out samples / problems "
-        "(seeds resampled too where several ran). Held-out loss is measured on a random split of "
+        "(seeds resampled too where several ran); a verdict of better or worse also needs the "
+        "paired sign-flip test's p < 0.05 (exact up to 13 items), since a bootstrap over a few "
+        "items claims too much. Held-out loss is measured on a random split of "
         "the same pool, which favours a random subset by construction; judge the benchmark rows "
         "(solution NLL, pass@1, accuracy) as well." + mdd + "\n\n",
         summary_table(numbers.rows, numbers.metric_names),

@@ -35,6 +35,7 @@ def _comparison(candidate, reference, difference, low, high, metric="heldout_los
         items=50,
         candidate_seeds=2,
         reference_seeds=1,
+        p_value=0.5 if low <= 0 <= high else 0.001,
     )
 
 

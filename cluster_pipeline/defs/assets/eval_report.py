@@ -229,7 +229,7 @@ def _checkpoints(checkpoint_path: str, compare: bool) -> tuple[Checkpoint, list[
 def _record(report, results, scores, path, checkpoint: str, heldout_stats) -> EvalReportRecord:
     """The stage's record: the current run's verdicts, cost figures and both models' metrics."""
     current = next(r for r in results if r.current)
-    kept = ("reference", "metric", "difference", "low", "high", "verdict")
+    kept = ("reference", "metric", "difference", "low", "high", "p_value", "verdict")
     return EvalReportRecord(
         item_scores=scores,
         verdicts=[
