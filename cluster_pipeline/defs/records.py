@@ -330,7 +330,8 @@ class EvalReportRecord(StageRecord):
     full_training_seconds: float
     full_training_measured: bool
     data_fraction: float
-    # The current run against its references: reference, metric, difference, low, high, verdict.
+    # The current run against its references: reference, metric, difference, low, high, p_value,
+    # verdict.
     verdicts: list[dict[str, Any]]
     # Held-out samples skipped (by reason) and truncated (by kind) under the sequence settings.
     heldout_sequences: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -6,8 +6,8 @@ are evaluated on the same held-out split and benchmarks. Checkpoints are grouped
 ``<selector> r=<ratio>``; a group's metrics are the mean and sample standard deviation over its
 seeds. Each group is compared, item by item, with its references: the ``random_global`` group at
 the same ratio (the same budget without clusters), the ``full`` group (all data) and the base
-model; each comparison is a paired bootstrap interval over items and seeds with a verdict
-(:mod:`cluster_pipeline.evaluation.statistics`).
+model; each comparison is a paired bootstrap interval over items and seeds, a sign-flip test's
+p and a verdict (:mod:`cluster_pipeline.evaluation.statistics`).
 """
 
 from __future__ import annotations
