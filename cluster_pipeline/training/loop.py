@@ -393,6 +393,8 @@ def train_step(run: TrainRun) -> dict[str, Any]:
             [p for p in run.model.parameters() if p.requires_grad], cfg.max_grad_norm
         )
     )
+    # The rate this optimizer step uses (the scheduler's next value applies to the next step).
+    lr = float(run.optimizer.param_groups[0]["lr"])
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -416,7 +418,7 @@ def train_step(run: TrainRun) -> dict[str, Any]:
     entry = {
         "step": run.step,
         "epoch": step.epoch,
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": lr,
         "loss_per_rank": [g[0] for g in gathered],
         "loss": float(np.mean([g[0] for g in gathered])),
         "grad_norm": grad_norm,

@@ -310,6 +310,14 @@ def test_shards_of_unequal_sizes_take_the_same_steps(tmp_path, tiny_model_dir, p
         assert all(0 <= a <= b for a, b in zip(real, paid, strict=True))
         assert r["useful_compute_fraction"] == pytest.approx(sum(real) / (2 * max(paid)))
     assert info["real_tokens"] == sum(sum(r["real_tokens_per_rank"]) for r in rows)
+    # Each step logs the rate it trained at: step k uses the schedule's multiplier at k - 1
+    # (warmup_ratio x steps rounded down; the first step of a warmup is not at rate 0).
+    settings = cfg.settings
+    multiplier = lr_lambda(settings.schedule, int(settings.warmup_ratio * len(rows)), len(rows))
+    assert [r["lr"] for r in rows] == [
+        pytest.approx(settings.learning_rate * multiplier(k), rel=1e-12) for k in range(len(rows))
+    ]
+    assert rows[0]["lr"] > 0.0 and rows[-1]["lr"] > 0.0
     if packing:  # packed: every step holds samples of both ranks
         assert all(min(r["samples_per_rank"]) >= 1 for r in rows)
 
