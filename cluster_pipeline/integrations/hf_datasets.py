@@ -469,11 +469,11 @@ def verify_export(folder: str | Path) -> ExportRecord:
     try:
         record = read_export_record(folder)
     except ExportError as e:
-        # Without a readable record the folder is not provably an export: export replaces it
-        # only once it is empty.
+        # Without a readable record the folder is not provably an export, so the advice never
+        # says to delete it (it may hold the user's files; export refuses to write there too).
         raise ExportError(
-            f"{e}: delete {folder} (or choose another folder) and export again: "
-            f"`cluster-pipeline export <dataset> --out {folder}`"
+            f"{e}: give the folder an export wrote, or export to a new folder: "
+            "`cluster-pipeline export <dataset> --out <new folder>`"
         ) from None
     redo = f"export it again: `cluster-pipeline export <dataset> --out {folder} --overwrite`"
     gone, changed = _listed_and_unchanged(folder, record)

@@ -315,8 +315,8 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         state = torch.load(resume / TRAINING_STATE, weights_only=False)
         if state["manifest_sha256"] != manifest_hashes:
             raise ValueError(
-                f"{resume} was trained on other shard manifests; delete {checkpoints.root} "
-                "or set resume: false"
+                f"{resume} was trained on other shard manifests; set resume: false to train "
+                f"from the start, or move {checkpoints.root} aside to keep it"
             )
         if is_fsdp(parallel_model):
             load_sharded(parallel_model, optimizer, resume / SHARDED_DIR)

@@ -251,9 +251,10 @@ def _edit_split(out: Path, split: str, change) -> None:
 
 TRUNCATED = "Unterminated string starting at: line 2 column 2"
 REDO = "export it again: `cluster-pipeline export {dataset} --out {out} --overwrite`"
+# Never "delete it": a folder without a readable record may hold the user's own files.
 UNREADABLE = (
-    "delete {out} (or choose another folder) and export again: `cluster-pipeline export "
-    "<dataset> --out {out}`"
+    "give the folder an export wrote, or export to a new folder: `cluster-pipeline export "
+    "<dataset> --out <new folder>`"
 )
 
 
@@ -265,7 +266,7 @@ def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
     shutil.copytree(out, pristine, symlinks=True)
     identity = out / "export.json"
     redo = REDO.format(dataset="hand", out=out)
-    unknown = UNREADABLE.format(out=out)
+    unknown = UNREADABLE
 
     def refused(fragment: str) -> str:
         with pytest.raises(ValueError) as e:
