@@ -598,7 +598,12 @@ def card_body(
         ("balance", f"{source.balance}{budget}"),
         ("K (clusters = data-parallel ranks)", str(source.num_clusters)),
         ("capacity alpha", f"{source.alpha:g}"),
-        ("cluster weights w_c = n_c K / N", _weights(source.cluster_weights)),
+        (
+            "cluster weights w_c = K R_c / R (R_c: the cluster's response tokens)"
+            if source.balance == "tokens"
+            else "cluster weights w_c = n_c K / N",
+            _weights(source.cluster_weights),
+        ),
         ("rank weights (loss multipliers)", _weights([m.weight for m in manifests])),
         (
             "selected",

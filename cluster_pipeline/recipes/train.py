@@ -12,9 +12,10 @@ Launch lines::
         --nproc_per_node=K/2 -m cluster_pipeline.recipes.train --config train_job.json
 
 The job file is a :class:`~cluster_pipeline.training.config.TrainJob`. Rank c reads
-``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N.
-DDP averages gradients over the K ranks, so each update follows (1/K) sum_c w_c g_c =
-sum_c (n_c / N) g_c: the stratified estimate of the full-data gradient. Every rank must take the
+``manifests[c]`` and multiplies its loss by the manifest's weight w_c = n_c K / N (K R_c / R
+under token balance, R_c the cluster's response tokens). DDP averages gradients over the K
+ranks, so each update follows (1/K) sum_c w_c g_c = sum_c (n_c / N) g_c (by tokens: sum_c
+(R_c / R) g_c): the stratified estimate of the full-data gradient. Every rank must take the
 same number of optimizer steps (DDP hangs otherwise); that is checked before the first step.
 
 Rank 0 alone logs (through Dagster Pipes when launched by the ``trained_checkpoint`` asset),

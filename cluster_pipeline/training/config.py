@@ -128,8 +128,8 @@ class TrainSettings(StrictModel, SequenceSettings, PackingSettings):
     bf16: bool = Field(default=False, description="bfloat16 autocast.")
     reweight: bool = Field(
         default=True,
-        description="Multiply rank c's loss by w_c = n_c K / N "
-        "(docs/design.md, step 5); off = plain balanced training.",
+        description="Multiply rank c's loss by its manifest's w_c (n_c K / N, or K R_c / R "
+        "under token balance; docs/design.md, step 5); off = plain balanced training.",
     )
     seed: int = Field(
         default=0,

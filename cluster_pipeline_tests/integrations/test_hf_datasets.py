@@ -156,6 +156,9 @@ def test_hand_made_manifests_read_back_equal_with_source_lines_and_clusters(tmp_
     _, body = _card(out)
     assert "The source declares no license" in body
     assert "| rank_0 | 7 | 0 | 1.2500 |" in body and "| rank_1 | 6 | 10 | 0.7500 |" in body
+    # Sample balance: the weights' formula is the published n_c K / N.
+    assert "| cluster weights w_c = n_c K / N | 1.2500, 0.7500 |" in body
+    assert "R_c" not in body
     identity = json.loads((out / "export.json").read_text())
     assert identity["splits"] == {"train": 13, "rank_0": 7, "rank_1": 6}
 
@@ -579,11 +582,13 @@ def test_the_export_reads_back_equal_to_the_shard_manifests(
     _, body = _card(out)
     subsets, clusters = records["peripheral_subsets"], records["balanced_clusters"]
     weights = ", ".join(f"{w:.4f}" for w in subsets["cluster_weights"])
+    # The product's default balance is by tokens: the label gives that formula, not n_c K / N.
+    assert subsets["balance"] == "tokens"
     for line in (
         f"| selector | `{subsets['selector']}` |",
         f"| ratio r | {subsets['ratio']:g} |",
         f"| K (clusters = data-parallel ranks) | {clusters['num_clusters']} |",
-        f"| cluster weights w_c = n_c K / N | {weights} |",
+        f"| cluster weights w_c = K R_c / R (R_c: the cluster's response tokens) | {weights} |",
         f"| base model (proxy embeddings) | `{tiny_model_dir}` |",
         f"| raw_instructions | `{raw_meta['table_uri']}` | {raw_meta['table_version']} |",
         f"| shard_manifests | `{shards['table_uri']}` | {shards['table_version']} |",

@@ -188,8 +188,9 @@ def peripheral_subsets(
 ) -> dg.MaterializeResult:
     """One row per clustered sample: ``selection_rank`` (0 = first chosen within its cluster by
     a cluster selector, in the whole pool by the others), ``selected``, ``copies`` (times
-    trained per epoch; > 1 only for uniform oversampling), ``weight`` w_c = n_c K / N of its
-    cluster (1 for selectors without re-weighting) and ``score``, what the selector ranks by
+    trained per epoch; > 1 only for uniform oversampling), ``weight`` w_c of its cluster
+    (n_c K / N under sample balance, K R_c / R by response tokens under token balance; 1 for
+    selectors without re-weighting) and ``score``, what the selector ranks by
     (null for the random orders). The metadata holds the selector's cost: its seconds and the
     forward/backward passes of the model passes it needed. docs/design.md, steps 3 and 5.
     Tracked as an MLflow run (the tracking resource): the knobs as params, the cost and the
