@@ -428,18 +428,28 @@ def generate(
     max_new_tokens: int,
     batch_size: int = 8,
     stop_strings: Sequence[str] | None = None,
-    on_batch: Callable[[int], None] | None = None,
+    progress: GenerationProgress | None = None,
 ) -> list[str]:
     """Greedy completions of ``prompts`` (left-padded batches); returns the new text only.
     Each prompt is tokenized as training inputs begin (:func:`prompt_ids`: BOS first without a
-    chat template)."""
+    chat template). ``progress`` is told of every new token and finished batch."""
     import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Observe(StoppingCriteria):
+        # A stopping criterion that never stops: generate() calls it once per new token.
+        def __call__(self, input_ids, scores, **kwargs):
+            if progress is not None:
+                progress.token()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     device = next(model.parameters()).device
     outputs: list[str] = [""] * len(prompts)
     original_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     kwargs = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+    if progress is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_Observe()])
     with torch.inference_mode():
         try:
             order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -459,8 +469,8 @@ def generate(
                 texts = tokenizer.batch_decode(new, skip_special_tokens=True)
                 for i, text in zip(idx, texts, strict=True):
                     outputs[i] = text
-                if on_batch is not None:
-                    on_batch(len(idx))
+                if progress is not None:
+                    progress.batch_done(len(idx))
         finally:
             tokenizer.padding_side = original_side
     return outputs
@@ -473,7 +483,7 @@ def code_pass_at_1(
     max_new_tokens: int = 384,
     batch_size: int = 8,
     timeout_s: float = 5.0,
-    on_batch: Callable[[int], None] | None = None,
+    progress: GenerationProgress | None = None,
     unsafe_sandbox: bool = False,
 ) -> tuple[float, list[dict]]:
     """Greedy pass@1 over code ``problems``; every program runs in the sandbox
@@ -500,7 +510,7 @@ def code_pass_at_1(
         max_new_tokens,
         batch_size,
         stop_strings=None if chat else stops,
-        on_batch=on_batch,
+        progress=progress,
     )
     completions = [extract_completion(p, g, chat) for p, g in zip(problems, generated, strict=True)]
     programs = [f"{p.prompt}{c}\n{p.test}" for p, c in zip(problems, completions, strict=True)]
@@ -535,7 +545,9 @@ def score_code(
             settings.max_new_tokens,
             settings.batch_size,
             settings.timeout_s,
-            _Progress(name, len(problems), log),
+            GenerationProgress(
+                name, len(problems), settings.batch_size, settings.max_new_tokens, log
+            ),
             settings.unsafe_sandbox,
         )
         passed = ItemScores(
@@ -716,14 +728,51 @@ def load_suites(
     return suites, skipped
 
 
-class _Progress:
-    """Counts generated completions of one benchmark and logs the running total."""
+class GenerationProgress:
+    """Progress of one benchmark's generation: a line when a batch of completions is done, and
+    between those, at most one line every ``every_s`` seconds with the new tokens of the batch
+    and an ETA. The ETA counts every batch as running to ``max_new_tokens`` at the rate seen so
+    far (an upper bound: stop strings end completions early)."""
 
-    def __init__(self, name: str, total: int, log: Callable[[str], None]):
-        self.name, self.total, self.log, self.done = name, total, log, 0
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        batch_size: int,
+        max_new_tokens: int,
+        log: Callable[[str], None],
+        every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.name, self.total, self.log, self.every_s, self.clock = name, total, log, every_s, clock
+        self.batches = max(1, math.ceil(total / batch_size))
+        self.max_new_tokens = max_new_tokens
+        self.done, self.batch, self.steps, self.steps_total = 0, 0, 0, 0
+        self.start = self.last = clock()
 
-    def __call__(self, n: int) -> None:
+    def token(self) -> None:
+        """One new token of the running batch (called by ``generate``)."""
+        self.steps += 1
+        self.steps_total += 1
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = self.steps_total / (now - self.start)  # token steps per second
+        left = (self.max_new_tokens - self.steps) + (
+            self.batches - self.batch - 1
+        ) * self.max_new_tokens
+        self.log(
+            f"{self.name}: batch {self.batch + 1}/{self.batches}, "
+            f"{self.steps}/{self.max_new_tokens} new tokens, ETA at most {left / rate:.0f} s"
+        )
+
+    def batch_done(self, n: int) -> None:
+        """``n`` more completions finished (one batch)."""
         self.done += n
+        self.batch += 1
+        self.steps = 0
+        self.last = self.clock()
         self.log(f"{self.name}: generated {self.done}/{self.total}")
 
 
@@ -751,7 +800,9 @@ def evaluate_model(
 
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(path)
+    log(f"held-out loss on {heldout.height} samples")
     loss = heldout_loss(model, tokenizer, heldout, settings, settings.batch_size)
+    log(f"held-out loss: {loss['loss']:.4f} nats/token over {loss['tokens']} response tokens")
     metrics = {"heldout_loss": loss["loss"], "heldout_perplexity": loss["perplexity"]}
     items: dict[str, ItemScores] = {"heldout_loss": loss["items"]}
     details = {}

@@ -173,3 +173,39 @@ def test_solution_nll_scores_exactly_the_reference_solution(tiny_model, tiny_tok
     assert items.ids == ["t/0"] and items.weights == [float(len(scored))]
     tokens, losses = response_losses(tiny_model, tiny_tokenizer, [enc])
     assert nll == pytest.approx(float(losses[0])) and tokens[0] == len(scored)
+
+
+def test_generation_progress_lines_and_their_eta():
+    # 10 prompts in batches of 4 (3 batches) of up to 50 new tokens; a clock that advances 1 s
+    # per token: a line every 20 s, with the ETA of all remaining token steps at 1 step/s.
+    from cluster_pipeline.evaluation.suites import GenerationProgress
+
+    now = [0.0]
+    lines: list[str] = []
+    progress = GenerationProgress("mbpp", 10, 4, 50, lines.append, every_s=20, clock=lambda: now[0])
+    for _ in range(25):
+        now[0] += 1
+        progress.token()
+    progress.batch_done(4)  # the first batch ended early (a stop string) at 25 tokens
+    for _ in range(30):
+        now[0] += 1
+        progress.token()
+    assert lines == [
+        # 20 steps in 20 s; left 30 of this batch + 2 x 50 of the others.
+        "mbpp: batch 1/3, 20/50 new tokens, ETA at most 130 s",
+        "mbpp: generated 4/10",
+        # The line after a batch restarts the 20 s: 45 steps in 45 s; 30 + 50 left.
+        "mbpp: batch 2/3, 20/50 new tokens, ETA at most 80 s",
+    ]
+
+
+def test_generate_reports_every_new_token_and_batch(tiny_model, tiny_tokenizer):
+    from cluster_pipeline.evaluation.suites import GenerationProgress, generate
+
+    lines: list[str] = []
+    progress = GenerationProgress("t", 3, 2, 5, lines.append, every_s=1e9)
+    texts = generate(tiny_model, tiny_tokenizer, ["a b", "c", "d e f"], 5, 2, progress=progress)
+    assert len(texts) == 3
+    # A random tiny model never emits EOS within 5 tokens here: 5 steps per batch, 2 batches.
+    assert progress.steps_total == 10
+    assert lines == ["t: generated 2/3", "t: generated 3/3"]
