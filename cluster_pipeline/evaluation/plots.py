@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cluster_pipeline.evaluation.render import p_text
 from cluster_pipeline.evaluation.statistics import Comparison
 
 if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn: loading the Definitions
@@ -405,7 +406,7 @@ def metric_differences_figure(
     metrics = list(dict.fromkeys(c.metric for c in comparisons))
     groups = list(dict.fromkeys(c.candidate for c in comparisons))
     fig = _figure(
-        figsize=(4.2 * max(1, len(metrics)) + 1.5, 1.2 + 0.45 * max(2, len(groups))),
+        figsize=(4.8 * max(1, len(metrics)) + 1.5, 1.4 + 0.55 * max(2, len(groups))),
     )
     axes = fig.subplots(1, max(1, len(metrics)), squeeze=False, sharey=True)[0]
     for ax, metric in zip(axes, metrics, strict=False):
@@ -427,6 +428,16 @@ def metric_differences_figure(
                 linewidth=1.5,
                 zorder=3,
             )
+            # The verdict beside its interval: an interval clear of 0 with a large p (few
+            # items) is no finding, and must not read as one.
+            ax.annotate(
+                f"{c.verdict}, p {p_text(c.p_value, equals=True)}",
+                (diffs[j], ys[j]),
+                xytext=(0, 7),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+            )
         ax.axvline(0.0, color="k", linestyle="--", linewidth=1)
         better = "lower" if rows[0].lower_is_better else "higher"
         unit = units.get(metric, "")
@@ -438,8 +449,8 @@ def metric_differences_figure(
     axes[0].set_ylabel("fine-tuned model (group)")
     axes[0].set_ylim(len(groups) - 0.5, -0.5)
     fig.suptitle(
-        "Fine-tuned models against the base model: difference and 95 % paired bootstrap "
-        "interval (seeds resampled too)",
+        "Fine-tuned models against the base model: difference, 95 % paired bootstrap "
+        "interval (seeds resampled too), verdict and sign-flip test p",
         fontsize=10,
     )
     return fig

@@ -267,3 +267,14 @@ def test_the_answer_fits_inline_and_names_every_reference_that_fits():
     text = worth_it_markdown(crowded, 10.0)
     assert len(text) < INLINE_MARKDOWN_LIMIT and text.count("reference number") >= 3
     assert "more in `report`." in text
+
+
+def test_each_interval_of_the_metrics_figure_carries_its_verdict_and_p():
+    fig = _figures()["metrics vs base"]
+    texts = [[t.get_text() for t in ax.texts] for ax in fig.get_axes()]
+    # heldout_loss: two groups, intervals clear of 0, p 0.001; pass@1: clear of 0 only at its
+    # edge (low = 0.0) with p 0.5, so no verdict.
+    assert texts == [
+        ["better, p = 0.001", "better, p = 0.001"],
+        ["no detectable difference, p = 0.5"],
+    ]
