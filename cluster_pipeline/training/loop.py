@@ -75,6 +75,14 @@ from cluster_pipeline.training.plan import (
 from cluster_pipeline.training.step import accumulate, clock
 
 
+def step_eta(done: int, left: int, seconds: float) -> str:
+    """``", ETA 42 s"``: the ``left`` steps at the mean time of the ``done`` ones (``seconds``
+    of wall time in all); empty when none is done or none is left."""
+    if done <= 0 or left <= 0:
+        return ""
+    return f", ETA {left * seconds / done:.0f} s"
+
+
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     """Multiplier of the peak learning rate at each step: linear warmup, then cosine or linear
     decay to 0 (or constant)."""
@@ -585,6 +593,9 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     if sender is not None:
         for entry in run.history:  # resumed: the steps before the resume, into this run too
             sender.log(step_metrics(entry), entry["step"])
+    # The ETA counts the steps of this process only (a resumed run's earlier steps took their
+    # time elsewhere).
+    loop_start, first_step = time.monotonic(), run.step
     try:
         while run.step < run.total_steps:
             entry = train_step(run)
@@ -598,6 +609,9 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
                 f"(ranks {[round(x, 4) for x in entry['loss_per_rank']]}) "
                 f"{entry['tokens'] / max(entry['step_seconds'], 1e-9):.0f} response tokens/s, "
                 f"useful compute {entry['useful_compute_fraction']:.3f}"
+                + step_eta(
+                    run.step - first_step, run.total_steps - run.step, time.monotonic() - loop_start
+                )
                 + (
                     f"; inter-rank gradient cosine {entry['grad_cosine']:.4f} (measured in "
                     f"{entry['grad_cosine_seconds']:.2f} s)"

@@ -21,7 +21,7 @@ from cluster_pipeline.selection.sharding import ShardManifest
 from cluster_pipeline.storage.layout import DataLayout
 from cluster_pipeline.tracking.tracker import Tracker, local_store
 from cluster_pipeline.training.config import TrainJob, TrainSettings
-from cluster_pipeline.training.loop import lr_lambda
+from cluster_pipeline.training.loop import lr_lambda, step_eta
 from cluster_pipeline.training.plan import plan_padded
 from cluster_pipeline_tests.helpers import torchrun, train_job
 
@@ -536,3 +536,9 @@ def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
         30 * 576 + 576 * 17 + 2 * 49152
     )
     assert check_training_memory(10**6, cfg, 2, 2**40, activations=123) == 16 * 10**6 + 123
+
+
+def test_the_step_eta_is_the_mean_step_time_times_the_steps_left():
+    assert step_eta(2, 5, 30.0) == ", ETA 75 s"  # 15 s a step, 5 left
+    assert step_eta(3, 0, 30.0) == ""  # the last step: nothing left
+    assert step_eta(0, 7, 0.0) == ""  # resumed, no step of this process yet
