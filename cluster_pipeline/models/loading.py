@@ -128,10 +128,42 @@ def load_model_and_tokenizer(model_path: str, dtype=None, device: str = "cpu"):
     return model, tokenizer
 
 
+def check_model_path(model_path: str) -> None:
+    """Refuse a local path that cannot be a model folder before ``from_pretrained`` reads it
+    as a hub id (its error would be "Repo id must be in the form 'repo_name'...").
+
+    A path is local when it is absolute or starts with ``./``, ``../`` or ``~``; anything else
+    is left to ``from_pretrained`` (a hub id like ``HuggingFaceTB/SmolLM2-135M-Instruct``).
+
+    Raises:
+        FileNotFoundError: the local path does not exist.
+        NotADirectoryError: it is a file (a ``.gguf`` is converted once by the main job first).
+    """
+    if not (os.path.isabs(model_path) or model_path.startswith(("./", "../", "~"))):
+        return
+    folder = Path(model_path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"model folder {model_path} does not exist: give a folder save_pretrained wrote "
+            "(config.json, weights, tokenizer) or a Hugging Face hub id"
+        )
+    if not folder.is_dir():
+        raise NotADirectoryError(
+            f"model path {model_path} is a file, not a folder: give the folder save_pretrained "
+            "wrote (config.json, weights, tokenizer)"
+        )
+
+
 def load_tokenizer(model_path: str):
     """The model's tokenizer, with ``pad_token = eos_token`` when it has no pad token (padding
-    positions are always masked, so the choice does not change any result)."""
+    positions are always masked, so the choice does not change any result).
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: see :func:`check_model_path`.
+    """
     from transformers import AutoTokenizer
+
+    check_model_path(model_path)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
@@ -166,6 +198,7 @@ def empty_model(model_path: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_model_path(model_path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(model_path), dtype=torch.float32

@@ -61,3 +61,26 @@ def test_load_into_shards_names_a_missing_tensor(tmp_path, tiny_model):
 def test_safetensors_files_is_none_without_safetensors(tmp_path):
     assert safetensors_files(str(tmp_path)) is None
     assert safetensors_files("HuggingFaceTB/SmolLM2-135M") is None
+
+
+def test_a_local_model_path_that_is_not_a_folder_is_named_before_transformers_reads_it(tmp_path):
+    from cluster_pipeline.models.loading import empty_model, load_tokenizer
+
+    missing, a_file = tmp_path / "no-model", tmp_path / "model.gguf"
+    a_file.write_bytes(b"GGUF")
+    for load in (load_tokenizer, empty_model):
+        with pytest.raises(FileNotFoundError) as e:
+            load(str(missing))
+        assert str(e.value) == (
+            f"model folder {missing} does not exist: give a folder save_pretrained wrote "
+            "(config.json, weights, tokenizer) or a Hugging Face hub id"
+        )
+        with pytest.raises(NotADirectoryError) as e:
+            load(str(a_file))
+        assert str(e.value) == (
+            f"model path {a_file} is a file, not a folder: give the folder save_pretrained "
+            "wrote (config.json, weights, tokenizer)"
+        )
+    # Relative paths are local too; a name without ./ is a hub id and left to transformers.
+    with pytest.raises(FileNotFoundError, match=r"^model folder \./no-model does not exist"):
+        load_tokenizer("./no-model")
