@@ -80,7 +80,7 @@ format: setup
 run: setup
 	$(INSTANCE)
 	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
-	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml
+	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml.tmp && mv .run_config.yaml.tmp .run_config.yaml
 	PYTHONWARNINGS='ignore:Function `job_execute_command` is superseded' \
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j $(JOB) -c .run_config.yaml \
 		--tags '{"dagster/partition": "$(DATASET)"}'
