@@ -218,7 +218,9 @@ def _assert_tracked(uri: str, dagster_run: str, instance, ckpt: Path, weights) -
         (h["step"], pytest.approx(sum(h["real_tokens_per_rank"]) / h["step_seconds"]))
         for h in steps
     ]
-    # The learning rate by hand: 1e-3 peak, linear warm-up over int(0.1 n) steps, then cosine.
+    # The learning rate by hand: 1e-3 peak, linear warm-up over int(0.1 n) steps, then cosine;
+    # step k (1-based) trains at the schedule's value for index k - 1 (the first step at the
+    # peak when there is no warm-up, the last one above 0).
     warmup = int(0.1 * n)
 
     def lr(k: int) -> float:
@@ -227,7 +229,7 @@ def _assert_tracked(uri: str, dagster_run: str, instance, ckpt: Path, weights) -
         return 1e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, (k - warmup) / max(1, n - warmup))))
 
     assert history("learning_rate") == [
-        (k, pytest.approx(lr(k), abs=1e-12)) for k in range(1, n + 1)
+        (k, pytest.approx(lr(k - 1), abs=1e-12)) for k in range(1, n + 1)
     ]
     assert len(history("grad_norm")) == n and all(v > 0 for _, v in history("grad_norm"))
     # eval_report added the evaluation and the report to the checkpoint's run.
