@@ -67,6 +67,15 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def step_eta(done: int, left: int, seconds: float) -> str:
+    """``", ETA 42 s"`` for a progress line: the ``left`` steps (or samples) at the mean time
+    of the ``done`` ones (``seconds`` of wall time in all); empty when none is done or none is
+    left."""
+    if done <= 0 or left <= 0:
+        return ""
+    return f", ETA {left * seconds / done:.0f} s"
+
+
 class Reporter:
     """Rank 0's voice: logs and metadata go to Dagster through Pipes when the process was
     launched by a Pipes client, and to stdout otherwise. Other ranks stay silent."""

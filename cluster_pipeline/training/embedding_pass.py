@@ -31,7 +31,7 @@ from cluster_pipeline.storage.embedding_cache import (
     n_chunks,
 )
 from cluster_pipeline.training.config import EmbedJob, EmbedSettings
-from cluster_pipeline.training.distributed import all_gather_floats
+from cluster_pipeline.training.distributed import all_gather_floats, step_eta
 from cluster_pipeline.training.memory import peak_memory_bytes
 
 
@@ -146,11 +146,9 @@ def run_pass(job: EmbedJob, env, report) -> None:
                 tokens_all += counts["tokens"]
             elapsed = now - state["start"]
             done = done_before + samples_all
-            rate = samples_all / elapsed if elapsed > 0 else 0.0
-            eta = (frame.height - done) / rate if rate > 0 else float("nan")
             report.info(
-                f"embedded {done}/{frame.height} samples, {tokens_all / elapsed:.0f} tokens/s, "
-                f"ETA {eta:.0f} s"
+                f"embedded {done}/{frame.height} samples, {tokens_all / elapsed:.0f} tokens/s"
+                + step_eta(samples_all, frame.height - done, elapsed)
             )
 
     if gradients is None and cfg.packing and not can_pack(model):

@@ -57,6 +57,7 @@ from cluster_pipeline.training.distributed import (
     DistEnv,
     Reporter,
     all_gather_floats,
+    step_eta,
 )
 from cluster_pipeline.training.gradients import cosine_matrix, count_sketch, mean_offdiagonal
 from cluster_pipeline.training.memory import (
@@ -73,14 +74,6 @@ from cluster_pipeline.training.plan import (
     useful_compute_fraction,
 )
 from cluster_pipeline.training.step import accumulate, clock
-
-
-def step_eta(done: int, left: int, seconds: float) -> str:
-    """``", ETA 42 s"``: the ``left`` steps at the mean time of the ``done`` ones (``seconds``
-    of wall time in all); empty when none is done or none is left."""
-    if done <= 0 or left <= 0:
-        return ""
-    return f", ETA {left * seconds / done:.0f} s"
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):

@@ -21,7 +21,8 @@ from cluster_pipeline.selection.sharding import ShardManifest
 from cluster_pipeline.storage.layout import DataLayout
 from cluster_pipeline.tracking.tracker import Tracker, local_store
 from cluster_pipeline.training.config import TrainJob, TrainSettings
-from cluster_pipeline.training.loop import lr_lambda, step_eta
+from cluster_pipeline.training.distributed import step_eta
+from cluster_pipeline.training.loop import lr_lambda
 from cluster_pipeline.training.plan import plan_padded
 from cluster_pipeline_tests.helpers import torchrun, train_job
 
