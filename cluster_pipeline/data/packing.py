@@ -23,11 +23,19 @@ positions (``list[list[int]]``): a padded batch is the
 special case of one sample per row, collated with an attention mask (:func:`collate_rows`).
 :func:`can_pack` checks a model once before its first packed batch (a model whose attention does
 not honour packed position ids falls back to padding).
+
+A packed batch also carries its sample boundaries as ``cu_seq_lens`` (the cumulative sequence
+lengths over the flattened rows, the form variable-length attention kernels take) and
+``max_length``, built here once per batch from what the collate knows: on a GPU the attention of
+:mod:`cluster_pipeline.data.attention` computes each sample's own causal attention from them
+instead of a row x row block mask.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # imported where a tensor is made: loading the Definitions needs no torch
@@ -149,6 +157,32 @@ def token_batches(
     return batches
 
 
+def length_batches(
+    lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int
+) -> list[list[int]]:
+    """Group sample indices into batches of similar length to cut padding.
+
+    Samples are sorted by length (stable, so ties keep input order); a batch closes when it
+    holds ``max_batch_size`` samples or its padded size (count x longest) would pass
+    ``max_batch_tokens``. A single sample longer than ``max_batch_tokens`` gets its own batch.
+    """
+    if max_batch_size < 1 or max_batch_tokens < 1:
+        raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Sorted ascending, so sample i is the longest of the batch it would join.
+        padded = lengths[i] * (len(current) + 1)
+        if current and (len(current) >= max_batch_size or padded > max_batch_tokens):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
 def collate_rows(
     samples: Sequence[TokenSample],
     rows: Sequence[Sequence[int]],
@@ -171,7 +205,11 @@ def collate_rows(
         ``rows``' flattened order of the sample a token belongs to, -1 on padding), each (R, L)
         int64 with L the longest row; ``attention_mask`` (R, L) int64 when not packed. Padding
         at a row's end continues that row's positions, so it forms no sequence of its own and
-        real tokens, which all come first, never attend to it.
+        real tokens, which all come first, never attend to it. Packed batches also hold
+        ``cu_seq_lens`` (S + 1,) int32, the offsets in the flattened (R x L) tokens where each
+        of the S samples starts, then R x L (a row's padding counted in its last sample, as its
+        positions say), and ``max_length`` () int64, the longest such segment
+        (:func:`sequence_boundaries`).
 
     Raises:
         ValueError: ``packed=False`` with a row of several samples, or an empty row.
@@ -211,7 +249,48 @@ def collate_rows(
     out = {"input_ids": ids, "labels": labels, "position_ids": positions, "sample_index": index}
     if not packed:
         out["attention_mask"] = mask
+    else:
+        lengths = [[len(samples[i]) for i in row] for row in rows]
+        cu, longest = sequence_boundaries(lengths, width)
+        out["cu_seq_lens"] = torch.tensor(cu, dtype=torch.int32)
+        out["max_length"] = torch.tensor(longest, dtype=torch.long)
     return out
+
+
+def sequence_boundaries(row_lengths: Sequence[Sequence[int]], width: int) -> tuple[list[int], int]:
+    """The sample boundaries of a packed batch in the form variable-length attention takes
+    (FlashAttention's ``cu_seqlens``; ``torch.nn.attention.varlen.varlen_attn``'s ``cu_seq_q``):
+    the rows flattened into one sequence of R x ``width`` tokens, the offset where each sample
+    starts, then R x ``width``. A row's padding (after its real tokens) is counted in its last
+    sample: its positions continue that sample's (:func:`collate_rows`), so the padding
+    attends to that sample, which never attends to it (causal). [[3, 2], [4]] in rows of 5:
+    offsets [0, 3, 5, 10] (the second row's last token is padding, counted in its sample),
+    longest segment 5.
+
+    Args:
+        row_lengths: per row, the token counts of its samples in order (each row's sum at most
+            ``width``).
+        width: the batch's row length L.
+
+    Returns:
+        (offsets, S + 1 ints for S samples; the longest segment in tokens).
+
+    Raises:
+        ValueError: an empty row, a sample of no token, or a row longer than ``width``.
+    """
+    offsets = [0]
+    for r, row in enumerate(row_lengths):
+        if not row or min(row) < 1:
+            raise ValueError(f"row {r} holds no sample or a sample of no token: {list(row)}")
+        if sum(row) > width:
+            raise ValueError(f"row {r} holds {sum(row)} tokens, more than the width {width}")
+        start = r * width
+        for n in row[:-1]:
+            start += n
+            offsets.append(start)
+        offsets.append((r + 1) * width)
+    longest = max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
+    return offsets, longest
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -224,28 +303,181 @@ def padded_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["input_ids"].numel())
 
 
-def can_pack(model, atol: float = 1e-3, vocab_size: int | None = None) -> bool:
-    """Whether ``model`` keeps packed samples apart: two short random sequences packed into
-    one row must give the logits they give alone (max difference <= ``atol``; float32 rounding
-    is ~1e-5, a sample attending across the boundary moves logits by whole units). Runs in eval
-    mode and restores the mode; costs two forward passes over 14 tokens. ``model`` may be a
-    DDP or FSDP wrapper (every rank must call it then); ``vocab_size`` defaults to its
-    config's."""
+@dataclass(frozen=True)
+class PackCheck:
+    """What :func:`pack_check` measured on a model, in logit units.
+
+    Attributes:
+        ok: packed rows may be used (both differences within their tolerances).
+        crossing: the largest change of a probe sample's logits when the sample packed before
+            it changes (0 for a model that keeps samples apart, in every dtype).
+        crossing_tolerance: the bound ``crossing`` must not pass.
+        alone: the largest difference between the probe sample's logits packed and alone.
+        alone_tolerance: the bound ``alone`` must not pass.
+        dtype: the least precise floating dtype the forward computed in (``"torch.bfloat16"``).
+        logit_scale: the largest absolute logit of the probe sample alone.
+    """
+
+    ok: bool
+    crossing: float
+    crossing_tolerance: float
+    alone: float
+    alone_tolerance: float
+    dtype: str
+    logit_scale: float
+
+    def reason(self, model_name: str) -> str:
+        """One sentence for the log and the asset's metadata: why ``model_name`` does or does
+        not pack, with the figures."""
+        if self.ok:
+            return f"{model_name} keeps packed samples apart ({self.dtype}): packed rows used"
+        if self.crossing > self.crossing_tolerance:
+            why = (
+                f"attends across packed samples: a sample's logits moved by {self.crossing:.3g} "
+                f"when the sample before it in the row changed (bound {self.crossing_tolerance:.3g}"
+                f" for {self.dtype})"
+            )
+        else:
+            why = (
+                f"does not honour restarted position ids: a packed sample's logits differ from "
+                f"its logits alone by {self.alone:.3g} (bound {self.alone_tolerance:.3g} for "
+                f"{self.dtype}, logits up to {self.logit_scale:.3g})"
+            )
+        return f"{model_name} {why}"
+
+
+# The gate's bounds in units of the compute dtype's machine epsilon times the largest logit.
+# A model that keeps samples apart moves no logit when another sample's tokens change: exact
+# zero measured in float32, bfloat16 and float16 on CPU; 8 eps leaves room for GPU matrix
+# kernels whose reduction order depends on a tile's place (stream-K), a few roundings that the
+# layers carry on, while the weakest crossing measured (a 2-layer random Llama) moves logits by
+# 0.29 of the largest, 5x the bound in bfloat16 (8 x 2^-7 = 0.06). Packed logits differ from
+# the logits alone by the rounding of kernels run on other shapes, accumulated over the layers
+# (a few eps per logit's magnitude for 22 layers by a random-walk estimate; 32 leaves room).
+CROSSING_EPS = 8
+ALONE_EPS = 32
+
+
+def pack_check(model, atol: float = 1e-3, vocab_size: int | None = None) -> PackCheck:
+    """Whether ``model`` keeps packed samples apart, told from its dtype's rounding.
+
+    Three probe sequences of random tokens: ``a`` and ``a'`` (16 tokens each, different) and
+    ``b`` (8 tokens). One forward runs ``b`` alone, one the batch of two packed rows
+    ``[a, b]`` and ``[a', b]`` (positions restarting at ``b``). Two differences, taken on
+    ``b``'s logits:
+
+    - *crossing* (the structure): row ``[a, b]`` against row ``[a', b]``. Both rows have the
+      same shape, positions and mask, so every kernel computes ``b``'s tokens by the same
+      operations in the same order; a model that keeps samples apart reads ``a``'s tokens only
+      through masked attention scores, whose weights are exact zeros, and gives equal logits
+      in any dtype (bitwise on the CPU; a GPU's matrix kernels may round a few values by a
+      tile's place). A model that attends across samples moves them by a fraction of
+      their magnitude (0.3 to 1.8 x the largest logit for random Llamas of 2 to 22 layers in
+      float32, bfloat16 and float16). Bound: ``atol + 8 eps |z|max``.
+    - *alone* (restarted positions honoured): row ``[a, b]`` against ``b`` alone. The two
+      forwards run kernels of different shapes, so the logits differ by the dtype's rounding
+      accumulated over the layers; a model that ignores position ids differs by whole units.
+      Bound: ``atol + 32 eps |z|max``.
+
+    ``eps`` is the machine epsilon of the least precise floating dtype the forward computed in
+    (the logits' and the parameters' dtypes: bfloat16 2^-7, float16 2^-10, float32 2^-23),
+    ``|z|max`` the largest absolute logit of ``b`` alone. In float32 both bounds are ``atol``
+    plus at most 4e-6 of the largest logit, as before; a model held in bfloat16 is no longer
+    refused for its rounding (the fixed atol 1e-3 refused a 1.1B Llama in bfloat16 on an
+    H200).
+
+    Runs in eval mode and restores the mode; costs two forward passes over 8 and 2 x 24 tokens.
+    The packed forward carries the rows' boundaries where the model's attention reads them (the
+    variable-length kernel of data/attention.py), so the check covers the attention packed
+    batches run with. ``model`` may be a DDP or FSDP wrapper (every rank must call it then).
+
+    Args:
+        model: a causal LM (``model(input_ids=..., position_ids=..., use_cache=False).logits``).
+        atol: the absolute part of both bounds (logit units).
+        vocab_size: the vocabulary the probe tokens are drawn from; default the config's.
+
+    Returns:
+        The figures and the verdict (:class:`PackCheck`).
+    """
     import torch
 
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            device = next(model.parameters()).device
+            params = list(model.parameters())
+            device = params[0].device
             vocab = int(vocab_size or model.config.get_text_config().vocab_size)
             g = torch.Generator().manual_seed(0)
-            a = torch.randint(0, vocab, (1, 6), generator=g).to(device)
+            firsts = torch.randint(0, vocab, (2, 16), generator=g).to(device)
             b = torch.randint(0, vocab, (1, 8), generator=g).to(device)
             alone = model(input_ids=b, use_cache=False).logits[0]
-            row = torch.cat([a, b], dim=1)
-            positions = torch.cat([torch.arange(6), torch.arange(8)])[None].to(device)
-            packed = model(input_ids=row, position_ids=positions, use_cache=False).logits[0, 6:]
-            return bool((alone.float() - packed.float()).abs().max() <= atol)
+            rows = torch.cat([firsts, b.expand(2, -1)], dim=1)
+            positions = torch.cat([torch.arange(16), torch.arange(8)])[None].expand(2, -1)
+            packed = model(
+                input_ids=rows,
+                position_ids=positions.to(device),
+                use_cache=False,
+                **_boundaries(model, [[16, 8], [16, 8]], 24, device),
+            ).logits[:, 16:]
+            dtypes = {alone.dtype} | {p.dtype for p in params if p.is_floating_point()}
+            least = max(dtypes, key=lambda d: torch.finfo(d).eps)
+            eps = torch.finfo(least).eps
+            scale = float(alone.float().abs().max())
+            crossing = float((packed[0].float() - packed[1].float()).abs().max())
+            apart = float((packed[0].float() - alone.float()).abs().max())
+            crossing_tol = atol + CROSSING_EPS * eps * scale
+            alone_tol = atol + ALONE_EPS * eps * scale
+            return PackCheck(
+                ok=crossing <= crossing_tol and apart <= alone_tol,
+                crossing=crossing,
+                crossing_tolerance=crossing_tol,
+                alone=apart,
+                alone_tolerance=alone_tol,
+                dtype=str(least),
+                logit_scale=scale,
+            )
     finally:
         model.train(was_training)
+
+
+def _boundaries(model, row_lengths: list[list[int]], width: int, device) -> dict:
+    """The boundary keyword arguments of a packed forward (:func:`sequence_boundaries`) where
+    the model's attention reads them (data/attention.py: the variable-length kernel), so the
+    gate checks the attention packed batches will run; {} elsewhere."""
+    from cluster_pipeline.data.attention import READS_BOUNDARIES, implementation
+
+    if implementation(model) not in READS_BOUNDARIES:
+        return {}
+    import torch
+
+    offsets, longest = sequence_boundaries(row_lengths, width)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pack_check_cached(model) -> PackCheck:
+    """:func:`pack_check` of ``model`` (default bounds and vocabulary), run once per model,
+    attention implementation, dtype and device and remembered while the model lives: the
+    embedding pass embeds chunk after chunk with the same model."""
+    first = next(model.parameters())
+    config = getattr(model, "config", None)
+    key = (getattr(config, "_attn_implementation", None), first.dtype, first.device)
+    seen = _CHECKED.setdefault(model, {})
+    if key not in seen:
+        seen[key] = pack_check(model)
+    return seen[key]
+
+
+def can_pack(model, atol: float = 1e-3, vocab_size: int | None = None) -> bool:
+    """Whether ``model`` keeps packed samples apart (:func:`pack_check`'s verdict; its
+    docstring gives the criterion and why it holds in bfloat16 and float16)."""
+    return pack_check(model, atol, vocab_size).ok

@@ -7,7 +7,6 @@ point is :mod:`cluster_pipeline.recipes.embed`.
 """
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,13 +15,21 @@ import numpy as np
 import polars as pl
 import torch
 
+from cluster_pipeline.data.attention import use_packed_attention
 from cluster_pipeline.data.datasets import read_train_split
-from cluster_pipeline.data.packing import can_pack
-from cluster_pipeline.data.tokenization import encode_rows, generation_header
+from cluster_pipeline.data.packing import pack_check_cached
+from cluster_pipeline.data.tokenization import (
+    encode_rows,
+    end_of_turn_ids,
+    generation_header,
+    without_end_of_turn,
+)
 from cluster_pipeline.data.tokenization import response_only as without_prompt
 from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.models.loading import load_model_and_tokenizer
 from cluster_pipeline.selection.embedding import embed_samples
+from cluster_pipeline.storage.atomic import atomic_file, write_text
+from cluster_pipeline.storage.disk import naming_full_disk, require_space
 from cluster_pipeline.storage.embedding_cache import (
     CHUNK_SCHEMA,
     PASS_STATS,
@@ -43,17 +50,25 @@ def embed_frame(
     lm_head_chunk_rows: int = 1024,
     on_batch=None,
     response_only: bool = False,
+    end_of_turn: bool = True,
+    pooling: str = "response_mean",
 ) -> pl.DataFrame:
     """Embed every sample of ``frame`` (columns sample_id, system, prompt, response, and
     optionally messages), encoded under ``settings`` (max_length, truncation, response_turns).
     ``response_only``: each sample's response tokens without its prompt
     (:func:`~cluster_pipeline.data.tokenization.response_only`, ifd's unconditioned pass), so
-    ``mean_loss`` is the loss of the response alone over the same tokens.
+    ``mean_loss`` is the loss of the response alone over the same tokens. ``end_of_turn=False``:
+    the trained turns' closing tokens are not scored
+    (:func:`~cluster_pipeline.data.tokenization.without_end_of_turn`, ifd's passes).
+    ``pooling``: what ``hidden_mean`` pools (selection/embedding.py).
 
     Returns a frame with :data:`CHUNK_SCHEMA`, rows in the order of ``frame``. Samples with no
     response token get a ``skip_reason`` and a null embedding.
     """
     encoded = encode_rows(tokenizer, frame, settings)
+    if not end_of_turn:
+        closing = end_of_turn_ids(tokenizer)
+        encoded = [without_end_of_turn(e, closing) for e in encoded]
     if response_only:
         header = generation_header(tokenizer)
         encoded = [without_prompt(e, tokenizer, header) for e in encoded]
@@ -69,6 +84,7 @@ def embed_frame(
         chunk_rows=lm_head_chunk_rows,
         autocast_dtype=torch.bfloat16 if settings.bf16 else None,
         on_batch=on_batch,
+        pooling="position_weighted" if pooling == "position_weighted" else "response_mean",
     )
     emb, hmean, loss = out.embedding, out.hidden_mean, out.mean_loss
     n_resp = np.array([e.n_response_tokens for e in encoded], dtype=np.int64)
@@ -97,9 +113,11 @@ def run_pass(job: EmbedJob, env, report) -> None:
     cfg = job.settings
     chunk_dir = Path(job.chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
-    # Half-written chunks of a killed run were never renamed, so never counted as done.
-    for orphan in chunk_dir.glob(f"chunk_*.tmp-rank{env.rank}"):
-        orphan.unlink(missing_ok=True)
+    # Half-written chunks of a killed run were never renamed, so never counted as done; each
+    # rank clears only the chunks it owns (another rank may be writing its own now).
+    for orphan in chunk_dir.glob(".chunk_*.tmp-*"):
+        if int(orphan.name.split("_")[1].split(".")[0]) % env.world_size == env.rank:
+            orphan.unlink(missing_ok=True)
     frame = read_train_split(job.instructions_uri, job.instructions_version)
     if job.sample_ids_file:
         wanted = pl.read_parquet(job.sample_ids_file)["sample_id"]
@@ -113,6 +131,7 @@ def run_pass(job: EmbedJob, env, report) -> None:
         f"{already} chunk(s) already done"
     )
     torch.manual_seed(0)
+    report.doing(f"loading the model {job.model_path}", say=False)
     model, tokenizer = load_model_and_tokenizer(job.model_path, device=str(env.device))
     gradients = None
     if job.gradients is not None:  # less's gradient pass (training/gradient_pass.py)
@@ -135,9 +154,12 @@ def run_pass(job: EmbedJob, env, report) -> None:
         if now - state["last"] < job.progress_every_s:
             return
         state["last"] = now
-        progress_file.write_text(
-            json.dumps({"samples": state["samples"], "tokens": state["tokens"]})
-        )
+        # Whole or not at all (rank 0 reads the other ranks' files as they write them), and a
+        # full disk named as for the chunks.
+        with naming_full_disk(chunk_dir, None, f"write the pass's progress {progress_file}"):
+            write_text(
+                progress_file, json.dumps({"samples": state["samples"], "tokens": state["tokens"]})
+            )
         if env.is_main:
             samples_all, tokens_all = 0, 0
             for p in chunk_dir.glob("progress_rank*.json"):
@@ -150,12 +172,19 @@ def run_pass(job: EmbedJob, env, report) -> None:
                 f"embedded {done}/{frame.height} samples, {tokens_all / elapsed:.0f} tokens/s"
                 + step_eta(samples_all, frame.height - done, elapsed)
             )
+            report.doing(f"embedding samples ({done}/{frame.height} done)", say=False)
 
-    if gradients is None and cfg.packing and not can_pack(model):
-        report.info(
-            f"packing is on but {type(model).__name__} attends across packed samples "
-            "(data/packing.can_pack): embedding with padded batches"
-        )
+    if gradients is None:
+        # The pass owns its model: packed batches attend with the variable-length kernel on a
+        # GPU for the whole pass (data/attention.py), checked once (embed_samples reuses it).
+        report.info(f"packed rows attend with {use_packed_attention(model, env.device.type)}")
+        check = pack_check_cached(model) if cfg.packing else None
+        if check is not None and not check.ok:
+            report.warning(
+                check.reason(type(model).__name__)
+                + " (data/packing.pack_check): embedding with padded batches"
+            )
+    report.doing(f"embedding samples ({done_before}/{frame.height} done)", say=False)
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
         if gradients is not None:
@@ -164,13 +193,24 @@ def run_pass(job: EmbedJob, env, report) -> None:
             out = gradient_frame(gradients, tokenizer, rows, cfg, on_batch)
         else:
             out = embed_frame(
-                model, tokenizer, rows, cfg, job.lm_head_chunk_rows, on_batch, job.response_only
+                model,
+                tokenizer,
+                rows,
+                cfg,
+                job.lm_head_chunk_rows,
+                on_batch,
+                job.response_only,
+                job.end_of_turn,
+                job.pooling,
             )
         target = chunk_path(chunk_dir, i)
-        tmp = target.with_name(f"{target.name}.tmp-rank{env.rank}")
-        out.write_parquet(tmp)
-        check_alive(f"write embedding chunk {target}")
-        os.replace(tmp, target)
+        what, needed = f"write embedding chunk {target}", int(out.estimated_size())
+        require_space(chunk_dir, needed, what)
+        # A torn chunk is removed (it would keep the disk full), and a step that died meanwhile
+        # must not gain a chunk: raising inside atomic_file removes it.
+        with naming_full_disk(chunk_dir, needed, what), atomic_file(target) as tmp:
+            out.write_parquet(tmp)
+            check_alive(what)
     elapsed = time.time() - state["start"]
     totals = [state["samples"], state["tokens"], elapsed, *peak_memory_bytes()]
     gathered = all_gather_floats([float(x) for x in totals], env)
@@ -179,16 +219,15 @@ def run_pass(job: EmbedJob, env, report) -> None:
         f"{sum(g[1] for g in gathered) / max(max(g[2] for g in gathered), 1e-9):.0f} tokens/s"
     )
     if env.is_main:
-        (chunk_dir / PASS_STATS).write_text(
-            json.dumps(
-                {
-                    "samples": sum(g[0] for g in gathered),
-                    "tokens": sum(g[1] for g in gathered),
-                    "seconds": max(g[2] for g in gathered),
-                    "world_size": env.world_size,
-                    # The largest rank's peaks (bytes; CUDA 0 on the CPU).
-                    "peak_rss_bytes": max(g[3] for g in gathered),
-                    "peak_cuda_bytes": max(g[4] for g in gathered),
-                }
-            )
-        )
+        stats_file = chunk_dir / PASS_STATS
+        stats = {
+            "samples": sum(g[0] for g in gathered),
+            "tokens": sum(g[1] for g in gathered),
+            "seconds": max(g[2] for g in gathered),
+            "world_size": env.world_size,
+            # The largest rank's peaks (bytes; CUDA 0 on the CPU).
+            "peak_rss_bytes": max(g[3] for g in gathered),
+            "peak_cuda_bytes": max(g[4] for g in gathered),
+        }
+        with naming_full_disk(chunk_dir, None, f"write the pass's figures {stats_file}"):
+            write_text(stats_file, json.dumps(stats))

@@ -23,10 +23,10 @@ import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
+from cluster_pipeline.data.attention import use_packed_attention
 from cluster_pipeline.data.datasets import TRAINING_COLUMNS, read_instructions
-from cluster_pipeline.data.packing import can_pack
+from cluster_pipeline.data.packing import PackCheck, pack_check
 from cluster_pipeline.data.tokenization import EncodedSample, encode_rows
 from cluster_pipeline.models.loading import (
     empty_model,
@@ -35,6 +35,7 @@ from cluster_pipeline.models.loading import (
     safetensors_files,
 )
 from cluster_pipeline.selection.sharding import ShardManifest
+from cluster_pipeline.storage.disk import naming_full_disk
 from cluster_pipeline.tracking.tracker import MetricsSender, Tracker, step_metrics
 from cluster_pipeline.training.checkpointing import (
     SHARDED_DIR,
@@ -44,10 +45,12 @@ from cluster_pipeline.training.checkpointing import (
     export_model,
     full_state_dict,
     intermediate_dir,
+    killed_seconds,
     load_adapter,
     load_into_shards,
     load_sharded,
     metrics_path,
+    read_metrics,
     save_adapter,
     save_checkpoint,
     save_sharded,
@@ -60,11 +63,19 @@ from cluster_pipeline.training.distributed import (
     step_eta,
 )
 from cluster_pipeline.training.gradients import cosine_matrix, count_sketch, mean_offdiagonal
+from cluster_pipeline.training.kernels import (
+    CausalLMLoss,
+    adamw_options,
+    apply_liger_kernels,
+    compile_layers,
+    loss_kernel,
+)
 from cluster_pipeline.training.memory import (
     MemoryTrace,
     limit_heap_fragmentation,
     peak_memory_bytes,
 )
+from cluster_pipeline.training.mfu import mfu_record
 from cluster_pipeline.training.parallel import apply_lora, gradient_sync, is_fsdp, total_norm, wrap
 from cluster_pipeline.training.plan import (
     Step,
@@ -133,7 +144,12 @@ def load_shard_samples(job: TrainJob, manifest: ShardManifest) -> pl.DataFrame:
 
 @dataclass
 class TrainRun:
-    """Everything one rank holds during training; ``step``..``history`` change as it goes."""
+    """Everything one rank holds during training; ``step``..``history`` change as it goes.
+    ``model`` is the causal LM (what is saved), ``parallel_model`` the module each micro-batch
+    calls: its :class:`~cluster_pipeline.training.kernels.CausalLMLoss`, inside DDP or sharded
+    by FSDP2 when distributed. ``kernels`` names what the step runs on (attention, loss,
+    optimizer, compiled layers); ``warnings`` what the run's metadata says went otherwise than
+    asked (a model the packing gate refused, Liger-Kernel's kernels not applied)."""
 
     job: TrainJob
     env: DistEnv
@@ -150,10 +166,14 @@ class TrainRun:
     manifest_hashes: list[str]
     resumed_from: Path | None
     memory: MemoryTrace
+    kernels: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
     step: int = 0
     tokens_seen: int = 0
     start: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Seconds interrupted runs spent on steps this one trains again (in ``start`` already).
+    killed_seconds: float = 0.0
 
     @property
     def total_steps(self) -> int:
@@ -204,20 +224,53 @@ def plan_steps(
     return plans[env.rank], notes
 
 
-def packing_works(model, vocab_size: int, cfg: TrainSettings, env: DistEnv) -> bool:
+def packing_works(
+    model, vocab_size: int, cfg: TrainSettings, env: DistEnv
+) -> tuple[bool, PackCheck | None]:
     """Whether this run packs: ``packing`` on and the model keeps packed samples apart on every
-    rank (:func:`~cluster_pipeline.data.packing.can_pack`; a collective forward under FSDP)."""
+    rank (:func:`~cluster_pipeline.data.packing.pack_check`; a collective forward under FSDP),
+    with this rank's check (None when ``packing`` is off)."""
     if not cfg.packing:
-        return False
-    ok = can_pack(model, vocab_size=vocab_size)
+        return False, None
+    check = pack_check(model, vocab_size=vocab_size)
     if is_fsdp(model):
         # A forward without backward leaves FSDP2's root parameters unsharded (the root keeps
         # them for the backward that never comes): shard them again before the optimizer
         # takes the parameters, or it would hold the full tensors of embeddings and head.
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            if is_fsdp(module):
                 module.reshard()
-    return all(bool(g[0]) for g in all_gather_floats([float(ok)], env))
+    return all(bool(g[0]) for g in all_gather_floats([float(check.ok)], env)), check
+
+
+def step_kernels(
+    model, cfg: TrainSettings, device: torch.device
+) -> tuple[CausalLMLoss, dict[str, str], list[str]]:
+    """The kernels a step runs on, chosen once before wrapping (data/attention.py,
+    training/kernels.py): variable-length attention for packed rows where the device has it,
+    the loss without whole-vocabulary logits (``fused_loss``; Liger-Kernel's, with its RMSNorm,
+    RoPE and SwiGLU, on CUDA where installed), compiled decoder layers (``compile``).
+
+    Returns:
+        (the module each micro-batch calls, {"attention", "loss", "compiled_layers"} names for
+        the log and ``training_info.json``, warnings for the run's metadata).
+    """
+    warnings: list[str] = []
+    kernels = {"attention": use_packed_attention(model, device.type)}
+    loss = loss_kernel(device.type, cfg.fused_loss)
+    if loss == "liger":
+        why = apply_liger_kernels(model)
+        if why is not None:
+            warnings.append(why)
+    loss_module = CausalLMLoss(model, loss)
+    kernels["loss"] = loss_module.kernel
+    if cfg.fused_loss and loss_module.kernel == "logits":
+        warnings.append(
+            f"fused_loss is on but {type(model).__name__}'s head is not a plain linear map "
+            "(training/kernels.fusable): the loss runs on the model's logits"
+        )
+    kernels["compiled_layers"] = str(compile_layers(model) if cfg.compile else 0)
+    return loss_module, kernels, warnings
 
 
 def setup(job: TrainJob, env: DistEnv) -> TrainRun:
@@ -278,19 +331,32 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
             load_adapter(model, resume)
     rows = load_shard_samples(job, manifest)
     encoded = encode_rows(tokenizer, rows, cfg)
-    parallel_model = wrap(model, cfg, env.device)
+    loss_module, kernels, warnings = step_kernels(model, cfg, env.device)
+    parallel_model = wrap(loss_module, cfg, env.device)
     memory.mark("wrapped")
     if shard_load and files is not None:
         load_into_shards(model, files, env.device)
         memory.mark("shards loaded")
-    packed = packing_works(parallel_model, len(tokenizer), cfg, env)
+    packed, check = packing_works(parallel_model, len(tokenizer), cfg, env)
+    if check is not None and not packed:
+        warnings.append(
+            (
+                check.reason(type(model).__name__)
+                if not check.ok
+                else "another rank's model failed the packing gate"
+            )
+            + " (data/packing.pack_check): training with padded batches of "
+            "per_device_batch_size"
+        )
     plan, plan_notes = plan_steps(encoded, cfg, packed, env)
     steps = len(plan)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=cfg.learning_rate,
         weight_decay=cfg.weight_decay,
+        **adamw_options(env.device),
     )
+    kernels["optimizer"] = "AdamW (fused)" if adamw_options(env.device) else "AdamW (for-each)"
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, int(cfg.warmup_ratio * steps), steps)
     )
@@ -310,6 +376,8 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         manifest_hashes=manifest_hashes,
         resumed_from=resume,
         memory=memory,
+        kernels=kernels,
+        warnings=warnings,
     )
     elapsed_before = 0.0
     if resume is not None:
@@ -327,6 +395,12 @@ def setup(job: TrainJob, env: DistEnv) -> TrainRun:
         torch.set_rng_state(state["rng"][env.rank])
         run.step, run.tokens_seen = state["step"], state["tokens"]
         elapsed_before, run.history = state["elapsed_seconds"], state["history"]
+        # What the killed run trained past its checkpoint counts too (its metrics file, before
+        # this run rewrites it): train_seconds is what training cost, interruptions included.
+        run.killed_seconds = killed_seconds(
+            read_metrics(job.output_dir), run.step, float(elapsed_before)
+        )
+        elapsed_before += run.killed_seconds
     run.start = time.time() - elapsed_before
     memory.mark("set up")
     return run
@@ -478,12 +552,13 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
     """Rank 0 saves the checkpoint with its ``training_info.json`` and reports it to Dagster;
     every rank then waits for it."""
     job = run.job
+    report.doing(f"saving the checkpoint to {job.output_dir}", say=False)
     plain = not is_fsdp(run.parallel_model) and not run.settings.lora_r
     # Sharded or adapter-wrapped models are gathered (collective) into a plain model to save.
     run.memory.mark("trained")
     if not plain:  # AdamW's moments are done with: free them before gathering the weights
         run.optimizer.state.clear()
-    state = None if plain else full_state_dict(run.model)
+    state = None if plain else gathered_state(run)
     run.memory.mark("gathered for export")
     memory = _gather_objects(run.memory.marks, run.env)
     # Peak resident and CUDA memory of each rank so far (bytes).
@@ -507,14 +582,19 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
                 int(run.resumed_from.name.split("_")[-1]) if run.resumed_from else None
             ),
             "train_seconds": train_seconds,
+            "killed_seconds": round(run.killed_seconds, 3),
             "tokens": run.tokens_seen,
             "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
             "packed": run.packed,
+            "kernels": run.kernels,
+            "warnings": run.warnings,
             **compute_summary(run.history),
             "peak_rss_bytes_per_rank": peak_rss,
             "peak_cuda_bytes_per_rank": peak_cuda,
             "memory_per_rank": memory,
         }
+        if run.env.device.type == "cuda":
+            info["mfu"] = run_mfu(run, info.get("real_tokens", 0))
         if state is None:
             save_checkpoint(run.model, run.tokenizer, Path(job.output_dir), info)
         else:
@@ -536,6 +616,17 @@ def finalize(run: TrainRun, train_seconds: float, report: Reporter) -> None:
                 "peak_rss_mib_per_rank": [round(b / 2**20, 1) for b in peak_rss],
                 "manifest_sha256": run.manifest_hashes,
                 "metrics_path": str(metrics_path(job.output_dir)),
+                "packed": run.packed,
+                # Pipes takes raw values (no nested dicts): one line of what the step ran on.
+                "step_kernels": ", ".join(f"{k}: {v}" for k, v in run.kernels.items()),
+                # What went otherwise than the settings asked (the packing gate's refusal,
+                # with its figures): shown on the asset, not only in the run's log.
+                **({"warnings": run.warnings} if run.warnings else {}),
+                **(
+                    {"mfu": info["mfu"]["value"]}
+                    if info.get("mfu", {}).get("value") is not None
+                    else {}
+                ),
             }
         )
     if dist.is_initialized():
@@ -552,33 +643,32 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     if env.is_main and job.tracking is not None:
         tracker = Tracker.for_target(job.tracking)
         sender = MetricsSender(tracker, job.tracking.run_id, report.warning)
+    report.doing("loading the model and this rank's shard", say=False)
     run = setup(job, env)
     cfg = run.settings
+    # Two lines, each short enough to read whole in the run's log (issue 44).
     report.info(
         f"training {env.world_size} rank(s), samples per rank "
         f"{[int(g[0]) for g in all_gather_floats([float(len(run.encoded))], env)]}, "
-        f"{run.total_steps} steps ("
-        + (
-            f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
-            f"up to {min(cfg.max_packed_length, cfg.max_tokens_per_micro_batch)}, "
-            f"{max((len(s.micro_batches) for s in run.plan), default=0)} at most a step (steps "
-            f"sized for {cfg.gradient_accumulation_steps})"
-            if run.packed
-            else f"padded: batch {cfg.per_device_batch_size} x accumulation "
-            f"{cfg.gradient_accumulation_steps}"
-        )
-        + "); "
-        f"rank weights {[round(w, 4) for w in _gather_weights(run.weight, env)]}"
+        f"{run.total_steps} steps; rank weights "
+        f"{[round(w, 4) for w in _gather_weights(run.weight, env)]}"
         + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
+    )
+    report.info(
+        f"packed: micro-batches of up to {cfg.max_tokens_per_micro_batch} tokens in rows of "
+        f"up to {min(cfg.max_packed_length, cfg.max_tokens_per_micro_batch)}, "
+        f"{max((len(s.micro_batches) for s in run.plan), default=0)} at most a step (steps "
+        f"sized for {cfg.gradient_accumulation_steps})"
+        if run.packed
+        else f"padded: batch {cfg.per_device_batch_size} x accumulation "
+        f"{cfg.gradient_accumulation_steps}"
     )
     if env.is_main:
         for note in run.plan_notes:
             report.warning(note)
-    if cfg.packing and not run.packed:
-        report.info(
-            f"packing is on but {type(run.model).__name__} attends across packed samples "
-            "(data/packing.can_pack): training with padded batches of per_device_batch_size"
-        )
+    report.info(f"step kernels: {run.kernels}")
+    for warning in run.warnings:
+        report.warning(warning)
     metrics_file = None
     if env.is_main:
         metrics_file = metrics_path(job.output_dir).open("w")
@@ -591,10 +681,13 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     loop_start, first_step = time.monotonic(), run.step
     try:
         while run.step < run.total_steps:
+            report.doing(f"training step {run.step + 1}/{run.total_steps}", say=False)
             entry = train_step(run)
             if metrics_file is not None:
-                metrics_file.write(json.dumps(entry) + "\n")
-                metrics_file.flush()
+                path = metrics_path(job.output_dir)
+                with naming_full_disk(path.parent, None, f"append step {run.step} to {path}"):
+                    metrics_file.write(json.dumps(entry) + "\n")
+                    metrics_file.flush()
             if sender is not None:
                 sender.log(step_metrics(entry), run.step)
             report.info(
@@ -624,6 +717,32 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
         if sender is not None and not sender.close():
             report.info("not every step's metrics reached MLflow (see the warning above)")
     finalize(run, train_seconds, report)
+
+
+def gathered_state(run: TrainRun) -> dict[str, Any]:
+    """The model's whole state on CPU, keyed as ``run.model``'s own state dict (collective under
+    FSDP2). Under FSDP2 the root is the loss module around the model (training/kernels.py), so
+    the state is gathered through it and its ``model.`` prefix taken off."""
+    if not is_fsdp(run.parallel_model):
+        return full_state_dict(run.model)
+    state = full_state_dict(run.parallel_model)
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def run_mfu(run: TrainRun, real_tokens: int) -> dict[str, Any]:
+    """The run's model FLOPs utilisation record (training/mfu.py): parameters of the model,
+    real tokens over every rank, the steps' seconds (the slowest rank's, summed), the device's
+    name and peak."""
+    parameters = sum(p.numel() for p in run.model.parameters())
+    seconds = sum(h["step_seconds"] for h in run.history)
+    return mfu_record(
+        parameters,
+        real_tokens,
+        seconds,
+        torch.cuda.get_device_name(run.env.device),
+        run.env.world_size,
+        lora=bool(run.settings.lora_r),
+    )
 
 
 def _gather_objects(obj, env: DistEnv) -> list:

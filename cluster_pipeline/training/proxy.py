@@ -194,50 +194,23 @@ def _largest(per_rank: list | None) -> int | None:
 
 
 # less's warm-up (selection/selectors/less.py): the same machinery on a random share of the
-# pool, with LoRA adapters and the optimizer state kept at every checkpoint.
-LESS_SEED = 0  # the share's draw: shared by every selection seed, like the proxy's training
-
-
-@dataclass(frozen=True)
-class LessWarmup:
-    """The knobs of less's warm-up and gradient passes (``peripheral_subsets.less_*``).
-
-    Attributes:
-        fraction: the share of the pool trained on (the paper's 5 %).
-        run: steps S, checkpoints C (every S / C steps) and peak learning rate.
-        lora_r: the adapters' rank.
-        projection_dim: d of the gradients' random projection.
-    """
-
-    fraction: float
-    run: ProxyRun
-    lora_r: int
-    projection_dim: int
-
-    def __post_init__(self) -> None:
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"the warm-up share {self.fraction} must be in (0, 1]")
-        if self.lora_r < 1:
-            raise ValueError(f"the warm-up's LoRA rank {self.lora_r} must be >= 1")
-
-
-def warmup_share(n: int, fraction: float, seed: int = LESS_SEED) -> np.ndarray:
-    """(S,) int64 sorted indices of the warm-up's samples among the pool's N: a seeded draw of
-    S = max(1, ceil(fraction x N)) without replacement (ceil of ``fraction x N`` rounded to 9
-    decimals)."""
-    size = max(1, math.ceil(round(fraction * n, 9)))
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n, size=min(size, n), replace=False)).astype(np.int64)
+# pool (less.warmup_share), with LoRA adapters and the optimizer state kept at every checkpoint.
 
 
 def warmup_settings(
-    embed: EmbedSettings, warm: LessWarmup, allocation: Allocation
+    embed: EmbedSettings, run: ProxyRun, lora_r: int, allocation: Allocation
 ) -> TrainSettings:
     """The warm-up's training settings: :func:`proxy_settings` with LoRA rank ``lora_r``, all C
     step folders kept and the last one written too (``save_final_state``), so each of the C
-    checkpoints holds its adapter and AdamW state."""
-    base = proxy_settings(embed, warm.run, allocation)
-    return base.model_copy(update={"lora_r": warm.lora_r, "save_final_state": True})
+    checkpoints holds its adapter and AdamW state.
+
+    Raises:
+        ValueError: ``lora_r`` < 1.
+    """
+    if lora_r < 1:
+        raise ValueError(f"the warm-up's LoRA rank {lora_r} must be >= 1")
+    base = proxy_settings(embed, run, allocation)
+    return base.model_copy(update={"lora_r": lora_r, "save_final_state": True})
 
 
 def warmup_checkpoints(output_dir: Path) -> list[ProxyCheckpoint]:

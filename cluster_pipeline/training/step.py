@@ -8,7 +8,11 @@ Rank c's loss for a micro-batch is ``w_c x (cross-entropy summed over the micro-
 targets) / (targets of the rank's whole step)``, so the step's gradient is w_c times the
 gradient of the token-mean loss over the rank's step however the step is cut into micro-batches
 (docs/design.md, step 5). Packed micro-batches carry no attention mask; their position ids keep
-the samples apart (data/packing.py).
+the samples apart (data/packing.py), and on a GPU their sample boundaries drive the
+variable-length attention kernel (data/attention.py). The model called is either the causal LM
+itself (its logits, then :func:`token_loss_sum`) or a
+:class:`~cluster_pipeline.training.kernels.CausalLMLoss` around it (the summed loss without
+whole-vocabulary logits), either of them possibly inside DDP or FSDP2.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cluster_pipeline.data.attention import forward_kwargs
 from cluster_pipeline.data.packing import (
     IGNORE_INDEX,
     TokenSample,
@@ -28,6 +33,7 @@ from cluster_pipeline.data.packing import (
     padded_tokens,
     real_tokens,
 )
+from cluster_pipeline.training.kernels import CausalLMLoss, token_loss_sum
 from cluster_pipeline.training.plan import MicroBatch, Step
 
 
@@ -37,29 +43,29 @@ def targets(sample: TokenSample) -> int:
     return sum(1 for label in sample.labels[1:] if label != IGNORE_INDEX)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the float32 cross-entropy over a batch's targets: position j of a row predicts
-    token j + 1 where its label is not -100. () float32."""
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        labels[:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+def loss_sum(model, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The summed float32 cross-entropy over one collated batch's targets (CPU tensors, moved
+    to ``device`` here): through :class:`~cluster_pipeline.training.kernels.CausalLMLoss`
+    where ``model`` is one (DDP or FSDP2 around it or not), else from the model's logits. ()
+    float32."""
+    inputs = forward_kwargs(model, batch, device)
+    labels = batch["labels"].to(device)
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if isinstance(inner, CausalLMLoss):
+        return model(labels=labels, **inputs)
+    return token_loss_sum(model(**inputs).logits, labels)
 
 
-def weighted_loss(model, batch: dict[str, torch.Tensor], weight: float, step_targets: int):
-    """Rank loss for one micro-batch (module docstring).
+def weighted_loss(
+    model, batch: dict[str, torch.Tensor], weight: float, step_targets: int, device=None
+):
+    """Rank loss for one micro-batch (module docstring): ``batch`` as collated (CPU tensors;
+    ``device`` where the model is, default the batch's own).
 
     Returns (loss to backpropagate, detached summed cross-entropy, targets in the batch).
     """
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch.get("attention_mask"),
-        position_ids=batch["position_ids"],
-        use_cache=False,
-    ).logits
-    total = token_loss_sum(logits, batch["labels"])
+    device = device if device is not None else batch["input_ids"].device
+    total = loss_sum(model, batch, device)
     return (
         total * (weight / max(step_targets, 1)),
         total.detach(),
@@ -128,10 +134,9 @@ def accumulate(
     for j, mb in enumerate(step.micro_batches):
         batch = batch_tensors(samples, mb, pad_token_id, packed)
         real, padded = real + real_tokens(batch), padded + padded_tokens(batch)
-        batch = {k: v.to(device) for k, v in batch.items() if k != "sample_index"}
         last = j == len(step.micro_batches) - 1
         with sync(last), autocast:
-            loss, raw, n_tok = weighted_loss(model, batch, weight, step_targets)
+            loss, raw, n_tok = weighted_loss(model, batch, weight, step_targets, device)
             if last and dist.is_initialized():
                 arrived = clock(device)
                 dist.barrier()
