@@ -1,4 +1,5 @@
-"""What each stage records about a materialization, as one typed dataclass per stage.
+"""What each stage records about a materialization, as one typed dataclass per stage, and how a
+stage builds its record from its results (the ``*_record`` functions at the end).
 
 A stage returns ``record.to_metadata()`` (plus display-only entries: previews, plots) in its
 ``MaterializeResult``; a downstream stage reads the record back with :func:`read_record` (the
@@ -15,13 +16,21 @@ path) and ``x_version``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import dagster as dg
+import polars as pl
 
+from cluster_pipeline.selection.clustering import StreamedClusters
+from cluster_pipeline.selection.passes import PASS_EMBEDDING, round_mib
+from cluster_pipeline.selection.selectors import SelectionResult, cluster_weights, record_details
+from cluster_pipeline.storage.layout import DATA_DIR_ENV, DataLayout, default_data_dir
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
     EVAL_REPORT,
@@ -32,7 +41,9 @@ from cluster_pipeline.storage.names import (
     SHARD_MANIFESTS,
     TRAINED_CHECKPOINT,
 )
+from cluster_pipeline.storage.provenance import code_identity
 from cluster_pipeline.storage.tables import TableRef
+from cluster_pipeline.training.checkpointing import Checkpoint
 
 
 class UpstreamNotMaterialized(dg.Failure):
@@ -110,6 +121,11 @@ class ChainRecord(StageRecord):
     table: TableRef
     seconds: float
     inputs: dict[str, TableRef] = field(default_factory=dict)
+    # The stage's run config as it ran, every knob (defaults included), and the code that ran
+    # it (storage/provenance.py code_identity): what repeats it. Empty in a materialization
+    # recorded before they were (2026-12).
+    config: dict[str, Any] = field(default_factory=dict)
+    code: dict[str, Any] = field(default_factory=dict)
 
     def lineage(self) -> dict[str, TableRef]:
         """``inputs`` plus this stage's own table: what a downstream stage records as its
@@ -133,7 +149,7 @@ class RawInstructionsRecord(ChainRecord):
     benchmarks: list[str]
     mean_response_chars: float
     records_per_file: dict[str, int] = field(default_factory=dict)
-    # What the reader did not keep (data/formats.py, chat rules): turns by reason, and non-null
+    # What the reader did not keep (data/forms/chat.py): turns by reason, and non-null
     # fields no form reads by name (occurrences), over every record read.
     dropped_turns: dict[str, int] = field(default_factory=dict)
     dropped_fields: dict[str, int] = field(default_factory=dict)
@@ -141,6 +157,11 @@ class RawInstructionsRecord(ChainRecord):
     samples_with_tools: int = 0
     # Files of the dataset folder in no read format (a .csv, .txt beside the data), by path.
     files_not_read: list[str] = field(default_factory=list)
+    # Every file read (path relative to the dataset's folder) -> its SHA-256; empty for the
+    # built-in python_stdlib, named by ``source`` instead.
+    source_files: dict[str, str] = field(default_factory=dict)
+    # What the source is, where no file names it (the built-in dataset: the interpreter).
+    source: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +197,12 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     # The pass's EmbedSettings: the selectors' own passes (rds's targets, ifd's unconditioned
     # losses) run under the same ones.
     embed_settings: dict[str, Any] = field(default_factory=dict)
+    # The base model in terms that travel: hub id and revision, or the built-in model's source
+    # package and file hash, or a local folder's weight hashes (models/loading.py
+    # model_identity); ``base_model`` is the path this machine loaded.
+    base_model_identity: dict[str, Any] = field(default_factory=dict)
+    # The base model setting as given (BaseModelResource.model): what a run config repeats.
+    base_model_setting: str = ""
     # The largest rank's peak resident / CUDA memory (MiB) over the passes that filled the
     # cache (None for a cache from before 2026-12-02).
     peak_rss_mib: float | None = None
@@ -251,15 +278,23 @@ class PeripheralSubsetsRecord(SelectionRecord):
     # The largest rank's peak resident / CUDA memory (MiB) over those passes (None: unrecorded).
     selection_peak_rss_mib: float | None = None
     selection_peak_cuda_mib: float | None = None
-    # A targeted selector's (rds, less) target set: its name or folder, and its samples used.
-    selection_target: str | None = None
-    selection_target_samples: int = 0
-    # s2l's proxy: its checkpoints whose losses are the trajectories, and their steps; for less
-    # the warm-up's checkpoints whose gradients are scored, and their steps.
-    s2l_proxy_checkpoints: list[str] = field(default_factory=list)
-    s2l_checkpoint_steps: list[int] = field(default_factory=list)
-    # less: each warm-up checkpoint's mean learning rate eta_i (before renormalisation).
-    less_learning_rates: list[float] = field(default_factory=list)
+    # What the selectors' own passes leave in the record (each selector's spec declares its
+    # keys, e.g. a targeted selector's ``selection_target``): every selector's keys, those of
+    # the others at their defaults, each a metadata entry of its own.
+    details: dict[str, Any] = field(default_factory=record_details)
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The record's entries, each of :attr:`details` as an entry of its own."""
+        out = super().to_metadata()
+        del out["details"]
+        return {**out, **{k: _encode(v, False) for k, v in self.details.items()}}
+
+    @classmethod
+    def from_metadata(cls, values: Mapping[str, Any]) -> Self:
+        """The record from metadata values, :attr:`details` from the registry's keys."""
+        record = super().from_metadata(values)
+        details = {k: values.get(k, v) for k, v in record_details().items()}
+        return dataclasses.replace(record, details=details)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,6 +372,8 @@ class EvalReportRecord(StageRecord):
     heldout_sequences: dict[str, dict[str, int]] = field(default_factory=dict)
     base: dict[str, float]
     tuned: dict[str, float]
+    # The stage's run config as it ran (empty: recorded before it was).
+    config: dict[str, Any] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, Any]:
         """The record's entries, plus each metric as its own numeric entry (``base/heldout_loss``),
@@ -395,11 +432,57 @@ def latest_record(instance: dg.DagsterInstance, cls: type[R], partition: str) ->
     return _parse(cls, found[0], partition) if found else None
 
 
-def read_record(context: dg.AssetExecutionContext, cls: type[R]) -> R:
-    """The latest record of ``cls.ASSET`` for this run's partition.
+def _data_root(context: dg.AssetExecutionContext) -> Path:
+    """The data folder the step works in (its storage resource's, else the default one)."""
+    storage = getattr(context.resources, "storage", None)
+    layout = getattr(storage, "layout", None)
+    return layout.root if isinstance(layout, DataLayout) else DataLayout.at(default_data_dir()).root
+
+
+def check_tables_exist(record: StageRecord, partition: str, data_root: Path) -> None:
+    """Every table ``record`` names (its own and its inputs) is still where it was written.
+
+    A record names its tables by absolute path under the data folder of the run that wrote
+    it; when ``$CLUSTER_PIPELINE_DATA_DIR`` (the data folder) has moved since, they are not
+    there, and reading one would end in deltalake's ``TableNotFoundError`` (issue 43).
 
     Raises:
-        UpstreamNotMaterialized: never materialized for the partition, or by an older version.
+        UpstreamNotMaterialized: a table is gone; names it, the data folder it was written
+            under and this run's, and what to do (point ``$CLUSTER_PIPELINE_DATA_DIR`` back, or
+            materialize again here).
+    """
+    tables = [getattr(record, "table", None), *getattr(record, "inputs", {}).values()]
+    for ref in tables:
+        if not isinstance(ref, TableRef) or (Path(ref.uri) / "_delta_log").is_dir():
+            continue
+        written_under = Path(ref.uri).parents[2]  # <data>/tables/<asset>/<dataset>
+        where = (
+            f"the latest {record.ASSET} materialization of partition {partition!r} names the "
+            f"table {ref.uri} (version {ref.version}), which does not exist"
+        )
+        if written_under != data_root:
+            env = os.environ.get(DATA_DIR_ENV)
+            now = f"${DATA_DIR_ENV} = {env}" if env else f"${DATA_DIR_ENV} is not set"
+            raise UpstreamNotMaterialized(
+                description=f"{where}: it was written under the data folder {written_under}, "
+                f"and this run's data folder is {data_root} ({now}). If the data folder moved, "
+                f"run with {DATA_DIR_ENV}={shlex.quote(str(written_under))} (where `make dev` "
+                "or dagster runs), or move it back; to start over in "
+                f"{data_root}, materialize {record.ASSET} and the stages before it again."
+            )
+        raise UpstreamNotMaterialized(
+            description=f"{where} (deleted from the data folder {data_root}?); materialize "
+            f"{record.ASSET} and the stages before it again."
+        )
+
+
+def read_record(context: dg.AssetExecutionContext, cls: type[R]) -> R:
+    """The latest record of ``cls.ASSET`` for this run's partition, whose tables exist
+    (:func:`check_tables_exist`).
+
+    Raises:
+        UpstreamNotMaterialized: never materialized for the partition, by an older version, or
+            its tables are gone (a moved data folder).
     """
     record = latest_record(context.instance, cls, context.partition_key)
     if record is None:
@@ -407,6 +490,7 @@ def read_record(context: dg.AssetExecutionContext, cls: type[R]) -> R:
             description=f"{cls.ASSET} has no materialization for partition "
             f"{context.partition_key!r}; materialize {cls.ASSET} first (or the whole chain)."
         )
+    check_tables_exist(record, context.partition_key, _data_root(context))
     return record
 
 
@@ -416,9 +500,12 @@ def pinned_record(
     """The record of the ``cls.ASSET`` materialization that wrote ``table`` (one version).
 
     Raises:
-        UpstreamNotMaterialized: no materialization among the latest ``search`` wrote it.
+        UpstreamNotMaterialized: no materialization among the latest ``search`` wrote it, or its
+            tables are gone (:func:`check_tables_exist`).
     """
-    return record_that_wrote(context.instance, cls, context.partition_key, table, search)
+    record = record_that_wrote(context.instance, cls, context.partition_key, table, search)
+    check_tables_exist(record, context.partition_key, _data_root(context))
+    return record
 
 
 def record_that_wrote(
@@ -440,4 +527,268 @@ def record_that_wrote(
     raise UpstreamNotMaterialized(
         description=f"no {cls.ASSET} materialization of partition {partition!r} "
         f"wrote {table.uri}@v{table.version}; materialize the chain from {cls.ASSET} again."
+    )
+
+
+def chain_run_config(
+    records: Mapping[str, StageRecord | None], base_model: str | None = None
+) -> dict[str, Any]:
+    """The Dagster run config that repeats the stages of ``records`` (stage -> its record, in
+    pipeline order; None or a record without a config is left out): ``ops: <stage>: config:``
+    each stage's config as it ran (:func:`~cluster_pipeline.defs.configs.repeatable_config`),
+    and, given ``base_model`` (the model setting), ``resources:
+    base_model: config: model:``. What ``cluster-pipeline rerun`` takes."""
+    from cluster_pipeline.defs.configs import repeatable_config
+
+    ops = {}
+    for stage, record in records.items():
+        config = getattr(record, "config", None)
+        if config:
+            ops[stage] = {"config": repeatable_config(stage, config)}
+    out: dict[str, Any] = {"ops": ops}
+    if base_model:
+        out["resources"] = {"base_model": {"config": {"model": base_model}}}
+    return out
+
+
+# --- Building the records from a stage's results ---------------------------------------------
+
+
+def clusters_record(
+    config: Any,
+    streamed: StreamedClusters,
+    embeddings: ProxyEmbeddingsRecord,
+    table: TableRef,
+    centroids: TableRef,
+    seconds: float,
+) -> BalancedClustersRecord:
+    """The record of a clustering (``config``: the stage's config) that took ``seconds``,
+    written as ``table`` and ``centroids``."""
+    result, fit = streamed.result, streamed.result.kmeans_fit
+    return BalancedClustersRecord(
+        table=table,
+        centroids=centroids,
+        inputs=embeddings.lineage(),
+        config=config.model_dump(mode="json"),
+        code=code_identity(),
+        seconds=round(seconds, 3),
+        selection_seconds=round(embeddings.selection_seconds + seconds, 2),
+        num_clusters=config.num_clusters,
+        representation=config.representation,
+        alpha=config.alpha,
+        cap=result.cap,
+        cluster_sizes=result.sizes.tolist(),
+        kmeans_cluster_sizes=result.kmeans_sizes.tolist(),
+        kmeans_cost=round(result.kmeans_cost, 4),
+        capacity_cost=round(result.cost, 4),
+        capacity_cost_increase_pct=round(100 * result.cost_increase, 3),
+        capacity_optimality_gap=float(f"{result.optimality_gap:.3g}"),
+        capacity_boundary_samples=result.boundary_samples,
+        cluster_weights=[round(float(w), 6) for w in cluster_weights(result.sizes)],
+        kmeans_sample_size=fit.sample_size,
+        kmeans_restarts=fit.restarts,
+        kmeans_niter=fit.niter,
+        kmeans_inertia=round(fit.inertia, 6),
+        kmeans_restart_inertias=[round(v, 6) for v in fit.restart_inertias],
+        kmeans_restart_iterations=list(fit.restart_iterations),
+        quarantined_count=streamed.quarantined.len(),
+        quarantined_non_finite=streamed.quarantined.to_list()[:100],
+    )
+
+
+@dataclass(frozen=True)
+class SelectionOutcome:
+    """What a selection produced beyond its result: the selector's record details, the tables
+    its passes wrote and the wall seconds they took in this run, its own table, the stage's
+    seconds, its per-cluster summary (``per_cluster_summary``) and the subset's and the pool's
+    gradient diversity."""
+
+    details: Mapping[str, Any]
+    pass_tables: Mapping[str, TableRef]
+    pass_wall_seconds: float
+    table: TableRef
+    seconds: float
+    summary: pl.DataFrame
+    diversity: tuple[float, float]
+
+
+def selection_record(
+    config: Any,
+    result: SelectionResult,
+    clusters: BalancedClustersRecord,
+    outcome: SelectionOutcome,
+) -> PeripheralSubsetsRecord:
+    """The record of a selection (``config``: the stage's config) of ``clusters``."""
+    cost = result.cost
+    assert cost is not None  # run_selector records it
+    seconds = outcome.seconds
+    return PeripheralSubsetsRecord(
+        table=outcome.table,
+        inputs={**clusters.lineage(), **outcome.pass_tables},
+        config=config.model_dump(mode="json"),
+        code=code_identity(),
+        seconds=round(seconds, 3),
+        # A selector's own passes count at their measured rate, cached or run now.
+        selection_seconds=round(
+            clusters.selection_seconds
+            + seconds
+            - outcome.pass_wall_seconds
+            + sum(p.seconds for p in cost.passes if p.name != PASS_EMBEDDING),
+            2,
+        ),
+        selector=config.selector,
+        ratio=config.ratio,
+        seed=config.seed,
+        per_cluster=result.per_cluster,
+        pool_size=len(result.selected),
+        selected_samples=result.n_selected,
+        data_fraction=round(result.data_fraction, 4),
+        cluster_weights=[round(float(w), 6) for w in result.cluster_weights],
+        balance=config.balance,
+        token_budget=result.token_budget,
+        samples_per_cluster=outcome.summary["kept"].to_list(),
+        tokens_per_cluster=outcome.summary["kept_tokens"].to_list(),
+        gradient_diversity=round(outcome.diversity[0], 6),
+        pool_gradient_diversity=round(outcome.diversity[1], 6),
+        selector_seconds=round(cost.seconds, 4),
+        forward_passes=cost.forward_passes,
+        backward_passes=cost.backward_passes,
+        selection_passes=[p.to_dict() for p in cost.passes],
+        selection_peak_rss_mib=round_mib(cost.peak_rss_mib),
+        selection_peak_cuda_mib=round_mib(cost.peak_cuda_mib),
+        details={**record_details(), **outcome.details},  # every selector's keys
+    )
+
+
+def training_params(
+    settings: Any,
+    shards: ShardManifestsRecord,
+    subsets: PeripheralSubsetsRecord,
+    clusters: BalancedClustersRecord,
+) -> dict[str, Any]:
+    """The MLflow params of a training run: every training setting (``settings``, the
+    ``TrainSettings``), then how its data was selected (selector, r, K, alpha, balance, the
+    rank weights w_c, the selection seed)."""
+    selection = {
+        "selector": subsets.selector,
+        "ratio": subsets.ratio,
+        "K": shards.world_size,
+        "alpha": clusters.alpha,
+        "balance": subsets.balance,
+        "rank_weights": [round(w, 6) for w in shards.rank_weights],
+        "selection_seed": subsets.seed,
+        "representation": clusters.representation,
+        "manifest_set_sha256": shards.manifest_set_sha256,
+    }
+    return {**settings.model_dump(), **selection}
+
+
+def training_provenance(
+    run_id: str,
+    dataset: str,
+    shards: ShardManifestsRecord,
+    subsets: PeripheralSubsetsRecord,
+    clusters: BalancedClustersRecord,
+    training_seed: int,
+) -> dict[str, Any]:
+    """What ``training_info.json`` records of how the shards were made (the report groups
+    checkpoints by it), for the Dagster run ``run_id`` of ``dataset``."""
+    target = subsets.details.get("selection_target")
+    return {
+        "dagster_run_id": run_id,
+        "dataset": dataset,
+        "manifest_set_sha256": shards.manifest_set_sha256,
+        "selector": subsets.selector,
+        "ratio": subsets.ratio,
+        "alpha": clusters.alpha,
+        "representation": clusters.representation,
+        "balance": subsets.balance,
+        "selection_seed": subsets.seed,
+        "data_fraction": subsets.data_fraction,
+        "pool_size": subsets.pool_size,
+        "gradient_diversity": subsets.gradient_diversity,
+        "selection_seconds": shards.selection_seconds,
+        # What the selection cost in model passes (the report's cost table names them).
+        "selection_passes": subsets.selection_passes,
+        "selection_forward_passes": subsets.forward_passes,
+        "selection_backward_passes": subsets.backward_passes,
+        "selection_peak_rss_mib": subsets.selection_peak_rss_mib,
+        "selection_peak_cuda_mib": subsets.selection_peak_cuda_mib,
+        # A targeted selector's target set (rds, less), which the report names in the group.
+        **({"selection_target": target} if target else {}),
+        "training_seed": training_seed,
+        **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
+    }
+
+
+def checkpoint_record(
+    shards: ShardManifestsRecord,
+    ckpt: Checkpoint,
+    history: list[dict[str, Any]],
+    model_path: str,
+    reused: bool,
+    seconds: float,
+) -> TrainedCheckpointRecord:
+    """The record of a checkpoint trained (or ``reused``) on ``shards``, from its
+    ``training_info.json`` and metrics ``history``, in ``seconds``."""
+    info = ckpt.info
+    fraction = info.get("useful_compute_fraction")
+    return TrainedCheckpointRecord(
+        checkpoint_path=str(ckpt.path),
+        inputs=shards.lineage(),
+        base_model=model_path,
+        world_size=shards.world_size,
+        manifest_sha256=ckpt.manifest_sha256,
+        manifest_set_sha256=shards.manifest_set_sha256,
+        reused_checkpoint=reused,
+        git_commit=str(info.get("git_commit")),
+        resumed_from_step=info.get("resumed_from_step"),
+        steps=int(info.get("steps", len(history))),
+        final_loss=round(float(info.get("final_loss", float("nan"))), 4),
+        seconds=round(seconds, 2),
+        train_seconds=round(float(ckpt.train_seconds or 0.0), 2),
+        samples_per_rank=shards.shard_size,
+        rank_weights=[round(float(w), 6) for w in info.get("rank_weights", [])],
+        packed=bool(info.get("packed", False)),
+        useful_compute_fraction=None if fraction is None else round(float(fraction), 4),
+        wait_seconds_per_rank=[round(s, 2) for s in info.get("wait_seconds_per_rank", [])],
+        selection_seconds=shards.selection_seconds,
+        config=ckpt.settings,
+    )
+
+
+def eval_record(
+    report: Any,
+    results: list[Any],
+    scores: TableRef,
+    path: Path,
+    checkpoint: str,
+    heldout_stats: dict[str, Any],
+    config: dict[str, Any] | None = None,
+) -> EvalReportRecord:
+    """The record of an evaluation: the current run's verdicts, cost figures and both models'
+    metrics (``report``: the rendered :class:`~cluster_pipeline.evaluation.report.Report`;
+    ``results``: each model's result, the base model first; ``scores``: the item scores' table;
+    ``path``: the report's file; ``checkpoint``: the current checkpoint's folder; ``config``:
+    the stage's run config)."""
+    current = next(r for r in results if r.current)
+    kept = ("reference", "metric", "difference", "low", "high", "p_value", "verdict")
+    return EvalReportRecord(
+        item_scores=scores,
+        verdicts=[
+            {k: v for k, v in c.to_dict().items() if k in kept}
+            for c in report.comparisons
+            if c.candidate == current.group
+        ],
+        report_path=str(path),
+        checkpoint_path=checkpoint,
+        models_compared=len(results),
+        train_seconds=round(report.train_seconds, 2),
+        full_training_seconds=round(report.full_training_seconds, 2),
+        full_training_measured=report.full_training_measured,
+        data_fraction=report.data_fraction,
+        heldout_sequences=heldout_stats["sequences"],
+        base={m: round(float(v), 5) for m, v in results[0].metrics.items()},
+        tuned={m: round(float(v), 5) for m, v in current.metrics.items()},
+        config=config or {},
     )

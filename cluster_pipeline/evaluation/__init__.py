@@ -1,5 +1,6 @@
-"""Judging a checkpoint: the benchmark suites and their scorers (``suites``), the sandbox that
-runs generated code (``sandbox``), paired bootstrap statistics (``statistics``), the report's
-numbers (``report``), its rendering (``render``) and the figures (``plots``). Imports the layers
-below and reads ``training``'s checkpoint catalogue.
+"""Judging a checkpoint: held-out loss and the benchmark suites (one module per suite, each
+declaring its metrics with their units and direction), the sandbox that runs generated code,
+paired bootstrap statistics, the report's numbers, its rendering and its figures. Imports the
+layers below and reads ``training``'s checkpoint catalogue; its modules are listed in
+docs/design.md, "Code layout".
 """

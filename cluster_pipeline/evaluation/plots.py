@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cluster_pipeline.evaluation.render import p_text
-from cluster_pipeline.evaluation.statistics import Comparison
+from cluster_pipeline.evaluation.statistics import Comparison, p_text
 
 if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn: loading the Definitions
     # (the web UI, every CLI run) does not pay for it
@@ -30,6 +29,13 @@ if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn: loading the
     from matplotlib.lines import Line2D
 
 _DPI = 100
+# The widest a figure is drawn (inches; pixels at _DPI): Dagster's Markdown dialog, where the
+# asset pages open a figure, is 1,120 px wide in a 1,400-px browser window (issue 44: a
+# 1,614-px metrics figure hid its last panel there). Figures with more panels than fit wrap
+# onto more rows (:func:`panel_grid`); titles wrap at :data:`TITLE_CHARS`.
+MAX_WIDTH_IN = 10.5
+PANEL_WIDTH_IN = 4.4
+TITLE_CHARS = 95
 # Smaller than this many steps, a curve is drawn as it is: there is nothing to smooth.
 _SMOOTH_MIN_STEPS = 6
 
@@ -53,6 +59,15 @@ def _figure(**kwargs) -> Figure:
     from matplotlib.figure import Figure
 
     return Figure(layout="constrained", **kwargs)
+
+
+def panel_grid(panels: int, extra_in: float = 1.5) -> tuple[int, int]:
+    """(rows, columns) for ``panels`` panels of :data:`PANEL_WIDTH_IN` inches plus
+    ``extra_in`` inches of labels, at most :data:`MAX_WIDTH_IN` wide: as many columns as fit,
+    the rest on further rows (at least one of each)."""
+    fit = max(1, int((MAX_WIDTH_IN - extra_in) // PANEL_WIDTH_IN))
+    cols = max(1, min(panels, fit))
+    return math.ceil(max(panels, 1) / cols), cols
 
 
 def _integer_x_ticks(ax: Axes) -> None:
@@ -405,10 +420,14 @@ def metric_differences_figure(
     """
     metrics = list(dict.fromkeys(c.metric for c in comparisons))
     groups = list(dict.fromkeys(c.candidate for c in comparisons))
+    rows, cols = panel_grid(len(metrics))
     fig = _figure(
-        figsize=(4.8 * max(1, len(metrics)) + 1.5, 1.4 + 0.55 * max(2, len(groups))),
+        figsize=(PANEL_WIDTH_IN * cols + 1.5, rows * (1.4 + 0.55 * max(2, len(groups))) + 0.4),
     )
-    axes = fig.subplots(1, max(1, len(metrics)), squeeze=False, sharey=True)[0]
+    grid = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(metrics) :]:  # the last row's empty places
+        ax.set_visible(False)
     for ax, metric in zip(axes, metrics, strict=False):
         rows = [c for c in comparisons if c.metric == metric]
         ys = [groups.index(c.candidate) for c in rows]
@@ -445,12 +464,16 @@ def metric_differences_figure(
         base = base_values.get(metric, math.nan)
         ax.set_title(f"{metric}\n(base model: {base:.4g})", fontsize=9)
         ax.margins(x=0.15)
-    axes[0].set_yticks(range(len(groups)), groups, fontsize=8)
-    axes[0].set_ylabel("fine-tuned model (group)")
+    for row in grid:
+        row[0].set_yticks(range(len(groups)), groups, fontsize=8)
+        row[0].set_ylabel("fine-tuned model (group)")
     axes[0].set_ylim(len(groups) - 0.5, -0.5)
     fig.suptitle(
-        "Fine-tuned models against the base model: difference, 95 % paired bootstrap "
-        "interval (seeds resampled too), verdict and sign-flip test p",
+        wrap(
+            "Fine-tuned models against the base model: difference, 95 % paired bootstrap "
+            "interval (seeds resampled too), verdict and sign-flip test p",
+            TITLE_CHARS,
+        ),
         fontsize=10,
     )
     return fig
@@ -509,8 +532,12 @@ def decision_figure(
 
     kinds = list(dict.fromkeys(p.kind for p in points))
     groups = list(dict.fromkeys(p.group for p in points))
-    fig = _figure(figsize=(4.8 * max(1, len(kinds)) + 0.5, 4.6))
-    axes = fig.subplots(1, max(1, len(kinds)), squeeze=False)[0]
+    rows, cols = panel_grid(len(kinds), extra_in=0.5)
+    fig = _figure(figsize=(PANEL_WIDTH_IN * cols + 0.5, 4.0 * rows + 0.6))
+    grid = fig.subplots(rows, cols, squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(kinds) :]:
+        ax.set_visible(False)
     metric = points[0].comparison.metric if points else ""
     lower = points[0].comparison.lower_is_better if points else True
     handles: dict[str, object] = {}
@@ -556,7 +583,7 @@ def decision_figure(
         ncols=2,
     )
     fig.suptitle(
-        "Was the subset worth it?" + (f"\n{wrap(subtitle, 110)}" if subtitle else ""),
+        "Was the subset worth it?" + (f"\n{wrap(subtitle, TITLE_CHARS)}" if subtitle else ""),
         fontsize=10,
     )
     return fig

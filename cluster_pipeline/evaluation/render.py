@@ -5,13 +5,15 @@ No statistics here; rendering only."""
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING
 
+from cluster_pipeline.evaluation.statistics import p_text
 from cluster_pipeline.storage.tables import markdown_table
 
 if TYPE_CHECKING:
     from cluster_pipeline.evaluation.plots import DecisionPoint
-    from cluster_pipeline.evaluation.report import ModelResult, ReportNumbers
+    from cluster_pipeline.evaluation.results import ModelResult, ReportNumbers
     from cluster_pipeline.evaluation.statistics import Comparison
 
 # The Dagster UI (1.13) renders a Markdown metadata value inline below this many characters
@@ -55,14 +57,18 @@ def summary_table(rows: list[dict], metric_names: list[str]) -> str:
 
 def cost_table(rows: list[dict], full_seconds: float | None) -> str:
     """Per group: selection and training seconds, the net time saved against full-data
-    training (selection counted), the share of training compute spent on real tokens, and the
-    mechanism: gradient diversity of the subset and the mean inter-rank gradient cosine during
-    training."""
+    training (selection counted), the share of training compute spent on real tokens, beside it
+    the model FLOPs utilisation where a run measured one (CUDA runs on a GPU of known peak; the
+    column is left out when none did), and the mechanism: gradient diversity of the subset and
+    the mean inter-rank gradient cosine during training."""
+    shown = [r for r in rows if r["group"] != "base"]
+    with_mfu = any(math.isfinite(r.get("mfu", math.nan)) for r in shown)
 
     def cells(r: dict) -> list[str]:
         n = r["n"]
         total = r["selection_seconds"] + r["train_seconds"]
         saved = full_seconds - total if full_seconds is not None else math.nan
+        mfu = [fmt(r.get("mfu", math.nan), r.get("mfu_std", 0.0), n, 3)] if with_mfu else []
         return [
             _name(r),
             fmt(r["selection_seconds"], r["selection_seconds_std"], n, 1),
@@ -70,6 +76,7 @@ def cost_table(rows: list[dict], full_seconds: float | None) -> str:
             fmt(total, 0.0, 1, 1),
             fmt(saved, 0.0, 1, 1),
             fmt(r["useful_compute_fraction"], r["useful_compute_fraction_std"], n, 3),
+            *mfu,
             fmt(r["gradient_diversity"], r["gradient_diversity_std"], n, 4),
             fmt(r["grad_cosine"], r["grad_cosine_std"], n, 4),
         ]
@@ -81,10 +88,11 @@ def cost_table(rows: list[dict], full_seconds: float | None) -> str:
         "selection + train s",
         "net saved s",
         "useful compute",
+        *(["MFU"] if with_mfu else []),
         "gradient diversity",
         "inter-rank grad cosine",
     ]
-    return markdown_table(head, (cells(r) for r in rows if r["group"] != "base"))
+    return markdown_table(head, (cells(r) for r in shown))
 
 
 def comparison_table(comparisons: list[Comparison]) -> str:
@@ -126,12 +134,10 @@ def verdict_sentences(comparisons: list[Comparison], group: str) -> list[str]:
     return out
 
 
-def p_text(p: float, equals: bool = False) -> str:
-    """A p-value at 3 significant digits, ``< 0.001`` below that (``= 0.25`` / ``< 0.001``
-    with ``equals``)."""
-    if p < 0.001:
-        return "< 0.001"
-    return f"= {p:.3g}" if equals else f"{p:.3g}"
+def plain_text(markdown: str) -> str:
+    """One line of the report's Markdown as a log line reads it: the bold and code marks
+    (``**``, ``__``, backticks) taken out, the words kept."""
+    return re.sub(r"\*\*|__|`", "", markdown)
 
 
 def net_saving_line(selection_s: float, train_s: float, full_s: float, measured: bool) -> str:
@@ -267,6 +273,17 @@ def run_cost_table(numbers: ReportNumbers, selection_seconds: float) -> str:
             [
                 "useful compute (real tokens / ranks x busiest rank's tensor tokens, per step)",
                 f"{current.useful_compute_fraction:.3f}",
+            ]
+        )
+    if current.mfu is not None and current.mfu_record:
+        m = current.mfu_record
+        rows.append(
+            [
+                f"model FLOPs utilisation ({m['flops_per_token_per_parameter']} x parameters x "
+                "real tokens / (seconds x ranks x peak), training/mfu.py)",
+                f"{current.mfu:.3f} ({m['parameters'] / 1e9:.2f}B parameters, "
+                f"{m['real_tokens']} real tokens, {m['seconds']:.1f} s, {m['ranks']} x "
+                f"{m['device']} at {m['peak_flops_per_rank'] / 1e12:.0f} TFLOP/s)",
             ]
         )
     if current.rank_weights:

@@ -23,8 +23,14 @@ import numpy as np
 import polars as pl
 
 from cluster_pipeline.evaluation import plots, render
+from cluster_pipeline.evaluation.results import ModelResult, ReportNumbers
 from cluster_pipeline.evaluation.statistics import Comparison, paired_bootstrap
-from cluster_pipeline.evaluation.suites import ItemScores, lower_is_better, metric_unit
+from cluster_pipeline.evaluation.suites import (
+    ItemScores,
+    declared_metric,
+    lower_is_better,
+    metric_unit,
+)
 from cluster_pipeline.selection.selectors import REWEIGHTED_SELECTORS
 from cluster_pipeline.storage.cache import JsonCache, file_stamp, model_fingerprint, stable_hash
 from cluster_pipeline.training.checkpointing import TRAINING_INFO, Checkpoint
@@ -58,6 +64,9 @@ RUN_ONLY_SETTINGS = frozenset(
         "keep_checkpoints",
         "grad_cosine_every",
         "grad_sketch_dim",
+        # training/config.SPEED_ONLY_SETTINGS: a step's kernels, not what it trains.
+        "fused_loss",
+        "compile",
     }
 )
 
@@ -120,40 +129,6 @@ def model_entries(base_path: str, checkpoints: list[Checkpoint]) -> list[ModelEn
     return entries
 
 
-@dataclass
-class ModelResult:
-    """Evaluation of one model. ``group`` names what seeds are aggregated over (e.g.
-    ``peripheral r=0.5``); ``metrics`` maps metric name -> value, ``items`` metric name ->
-    per-item scores. ``selection_seconds`` is the cost of the selection that produced the
-    checkpoint (embedding pass, clustering, subsets, shards), ``gradient_diversity`` that of its
-    subset, ``grad_cosine`` the mean inter-rank gradient cosine logged during training."""
-
-    name: str
-    group: str
-    path: str
-    metrics: dict[str, float]
-    items: dict[str, ItemScores] = field(default_factory=dict)
-    selector: str | None = None
-    ratio: float | None = None
-    train_seconds: float | None = None
-    selection_seconds: float | None = None
-    data_fraction: float | None = None
-    gradient_diversity: float | None = None
-    grad_cosine: float | None = None
-    current: bool = False
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)
-    setup: dict[str, Any] = field(default_factory=dict)
-    rank_weights: list[float] | None = None
-    # Real tokens / (ranks x the busiest rank's tensor tokens) over the run (training/plan.py).
-    useful_compute_fraction: float | None = None
-    # The selection's model passes (name, samples, seconds, backward, peaks: the
-    # peripheral_subsets cost record), forward and backward passes and peak memory (MiB).
-    selection_passes: list[dict[str, Any]] = field(default_factory=list)
-    selection_forward_passes: int | None = None
-    selection_backward_passes: int | None = None
-    selection_peak_rss_mib: float | None = None
-
-
 def evaluate_entries(
     entries: list[ModelEntry],
     evaluate: Callable[[list[str], Callable[[str, dict[str, Any]], None]], None],
@@ -171,7 +146,9 @@ def evaluate_entries(
     evaluates only the rest.
 
     Returns (one result per entry, in order; ``{"tokens": held-out response tokens,
-    "sequences": skipped and truncated held-out samples}`` of the last entry).
+    "sequences": skipped and truncated held-out samples}`` of the last entry, plus
+    ``"peak_rss_bytes"``: the evaluating process's peak resident memory, the largest the
+    outcomes evaluated now recorded, None when every outcome came from the cache).
 
     Raises:
         KeyError: ``evaluate`` returned without an outcome for a path it was given.
@@ -192,6 +169,8 @@ def evaluate_entries(
             outcomes[path] = outcome
 
         evaluate([e.path for e in missing], done)
+    peaks = [outcomes[e.path].get("peak_rss_bytes") for e in missing]
+    peak = max((p for p in peaks if p is not None), default=None)
     results, heldout = [], {"tokens": 0, "sequences": {}}
     for entry in entries:
         outcome = outcomes[entry.path]
@@ -216,6 +195,8 @@ def evaluate_entries(
                 gradient_diversity=prov.get("gradient_diversity"),
                 grad_cosine=ckpt.mean_grad_cosine() if ckpt else None,
                 useful_compute_fraction=ckpt.info.get("useful_compute_fraction") if ckpt else None,
+                mfu=(ckpt.info.get("mfu") or {}).get("value") if ckpt else None,
+                mfu_record=ckpt.info.get("mfu") if ckpt else None,
                 selection_passes=list(prov.get("selection_passes") or []),
                 selection_forward_passes=prov.get("selection_forward_passes"),
                 selection_backward_passes=prov.get("selection_backward_passes"),
@@ -226,7 +207,7 @@ def evaluate_entries(
                 rank_weights=ckpt.info.get("rank_weights") if ckpt else None,
             )
         )
-    return results, heldout
+    return results, {**heldout, "peak_rss_bytes": peak}
 
 
 # Per-run quantities besides the metrics that the report aggregates over seeds.
@@ -237,6 +218,7 @@ RUN_COLUMNS = (
     "gradient_diversity",
     "grad_cosine",
     "useful_compute_fraction",
+    "mfu",
 )
 
 
@@ -380,8 +362,10 @@ def compare_groups(
 
 
 def zero_metrics(results: list[ModelResult]) -> list[str]:
-    """Pass@1 columns where every model scored 0 (nothing to plot or compare)."""
-    names = {m for r in results for m in r.metrics if m.endswith("_pass@1")}
+    """Metrics where every model scored 0 and whose suite declares that such a column says
+    nothing (:attr:`~cluster_pipeline.evaluation.suites.Metric.all_zero_says_nothing`: pass@1),
+    so there is nothing to plot or compare."""
+    names = {m for r in results for m in r.metrics if declared_metric(m).all_zero_says_nothing}
     return sorted(m for m in names if all(r.metrics.get(m, 0.0) == 0.0 for r in results))
 
 
@@ -506,9 +490,10 @@ class Report:
     @property
     def headline(self) -> str:
         """The report's first statement (the net time saved and what it is made of), one
-        line; empty for a report without one."""
+        line of plain text (:func:`~cluster_pipeline.evaluation.render.plain_text`: it goes to
+        the run's log); empty for a report without one."""
         lines = [ln for ln in self.summary.splitlines() if ln.strip() and not ln.startswith("#")]
-        return lines[0] if lines else ""
+        return render.plain_text(lines[0]) if lines else ""
 
     def markdown(self) -> str:
         """The standalone report: summary plus the plots as sibling PNG files."""
@@ -523,34 +508,6 @@ class Report:
         path = folder / "eval_report.md"
         path.write_text(self.markdown())
         return path
-
-
-@dataclass(frozen=True)
-class ReportNumbers:
-    """Everything the report states, computed once (:func:`report_numbers`) and rendered by
-    :mod:`cluster_pipeline.evaluation.render`.
-
-    Attributes:
-        metric_names: the metrics every model was scored on, in order.
-        rows: one aggregate row per group (:func:`aggregate`).
-        comparisons: every group against its references (:func:`compare_groups`).
-        current_row / current_result: the group and the result of this run's checkpoint.
-        train_seconds, data_fraction: of the current group.
-        full_seconds: full-data training time, the ``full`` group's measured mean if there is
-            one (``full_measured``), else the current run's training seconds / data fraction.
-        zero_metrics: pass@1 columns where every model scored 0.
-    """
-
-    metric_names: list[str]
-    rows: list[dict]
-    comparisons: list[Comparison]
-    current_row: dict
-    current_result: ModelResult
-    train_seconds: float
-    data_fraction: float
-    full_seconds: float
-    full_measured: bool
-    zero_metrics: list[str]
 
 
 def report_numbers(results: list[ModelResult], n_resamples: int = 2000) -> ReportNumbers:

@@ -310,3 +310,11 @@ def subset_and_pool_diversity(
         subset.add(gradients[clustered], counts["copies"].to_numpy()[clustered])
         pool.add(gradients[clustered])
     return subset.value, pool.value
+
+
+def p_text(p: float, equals: bool = False) -> str:
+    """A p-value at 3 significant digits, ``< 0.001`` below that (``= 0.25`` / ``< 0.001``
+    with ``equals``)."""
+    if p < 0.001:
+        return "< 0.001"
+    return f"= {p:.3g}" if equals else f"{p:.3g}"

@@ -101,6 +101,24 @@ def target_problem(
     return None
 
 
+def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
+    """The task of each target sample of ``frame`` (:func:`target_samples`' table, in its order):
+    a multiple-choice benchmark's topic (MMLU's 57 subjects: the subtasks LESS averages over,
+    ``less/data_selection/matching.py:26,78-79``), a folder's file (one file per task, as RDS+
+    takes one file per evaluation set, ``minimal_multitask/get_top_aggregated_influences.py``);
+    "" for every sample of a code benchmark (no tasks).
+    """
+    from cluster_pipeline.evaluation.suites import SUITES
+
+    files = frame["source_file"].to_list()
+    if target in SUITES:
+        if SUITES[target].kind == "code":
+            return [""] * len(files)
+        prefix = f"{target}:"
+        return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
+    return files
+
+
 def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFrame:
     """The target set ``target`` (module docstring) as an instruction table: at most ``size``
     distinct samples, columns of ``raw_instructions`` (split ``train``).

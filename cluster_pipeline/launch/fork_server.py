@@ -1,7 +1,7 @@
 """End a multiprocessing fork server without Python's finalization, once its last step is gone.
 
-The executor's fork server (``defs/executor.py``) preloads the project (torch, Dagster, polars,
-transformers) and forks each step process from it. It exits when its run's worker and every
+The executor's fork server (``defs/executor.py``) preloads the project (Dagster, polars, the
+stages) and forks each step process from it. It exits when its run's worker and every
 step it forked are gone, but then it finalizes an interpreter holding all of those modules,
 which takes 1.2 s on an idle 2-core machine and 7 s on a loaded one: long enough to outlive the
 run it served (``dagster job execute`` returns while it still runs, and a worker's SIGKILL

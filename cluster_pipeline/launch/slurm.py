@@ -29,7 +29,8 @@ A Dagster step that is killed outright (SIGKILL, or SIGTERM sent to the step pro
 runs no ``finally``; :func:`cancelled_with_parent` leaves a small guard process behind it that
 ``scancel``s the job when the step dies (``python -m cluster_pipeline.launch.slurm guard``).
 
-Nothing here imports Dagster; the Dagster side (Pipes session, Failure) is
+:class:`SlurmLauncher` is the launcher (launch/base.py) behind the torchrun resource's
+``launcher: slurm``. Nothing here imports Dagster; the Dagster side (Pipes session, Failure) is
 :meth:`cluster_pipeline.defs.resources.TorchrunResource.run`.
 """
 
@@ -38,14 +39,25 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+from pydantic import BaseModel, Field
+
+from cluster_pipeline.launch.base import (
+    Launcher,
+    LaunchError,
+    LaunchFailure,
+    LaunchOutcome,
+    LaunchSpec,
+)
 from cluster_pipeline.launch.fate import LAUNCHER_PID_ENV, die_with_parent
 from cluster_pipeline.launch.torchrun import (
     failure_summary,
@@ -420,6 +432,155 @@ def _guard(job_id: str, job_dir: Path, parent: int) -> None:
         cancel_and_exit(signal.SIGTERM, None)
     while True:
         signal.pause()
+
+
+class SlurmKnobs(BaseModel):
+    """The torchrun resource's knobs of a Slurm batch job (with ``nnodes``, sbatch --nodes)."""
+
+    slurm_partition: str = Field(default="", description="sbatch --partition; empty = default.")
+    slurm_time_limit: str = Field(
+        default="",
+        description="sbatch --time, [D-]HH:MM:SS; empty = the partition's default limit.",
+    )
+    slurm_sbatch_args: list[str] = Field(
+        default_factory=list,
+        description="More sbatch arguments as they are, e.g. ['--gres=gpu:8', '--account=ml'].",
+    )
+    slurm_job_dir: str = Field(
+        default="",
+        description="Shared folder for the batch script, Slurm output, Pipes files and per-rank "
+        "logs (a sub-folder per job); empty = next to the job file, in the data folder.",
+    )
+    slurm_agents_per_node: int = Field(
+        default=1,
+        ge=1,
+        description="torchrun agents per Slurm node (torchrun nnodes = nnodes x this). 1 on a "
+        "real cluster; more lets a one-node cluster run a multi-node rendezvous (tests).",
+    )
+    slurm_rdzv_port: int = Field(
+        default=0, description="Rendezvous port on the first node; 0 = derived from the job id."
+    )
+    slurm_poll_seconds: float = Field(
+        default=5.0, gt=0, description="Seconds between looks at the job's state (squeue)."
+    )
+
+
+@dataclass(frozen=True)
+class SlurmLauncher(Launcher):
+    """A Slurm batch job over ``nnodes`` nodes, ``slurm_agents_per_node`` torchrun agents each
+    (module docstring); the knobs are the torchrun resource's ``slurm_*``. Pipes' context and
+    messages pass through files in the shared job folder. The job is cancelled if the caller is
+    interrupted (a run's termination) or fails while waiting."""
+
+    name: ClassVar[str] = "slurm"
+    order: ClassVar[int] = 2
+    remote: ClassVar[bool] = True
+    knobs: ClassVar[type[BaseModel] | None] = SlurmKnobs
+
+    nnodes: int = 1
+    slurm_agents_per_node: int = 1
+    slurm_partition: str = ""
+    slurm_time_limit: str = ""
+    slurm_sbatch_args: Sequence[str] = field(default_factory=tuple)
+    slurm_job_dir: str = ""
+    slurm_rdzv_port: int = 0
+    slurm_poll_seconds: float = 5.0
+
+    @property
+    def agents(self) -> int:
+        """Torchrun agents: nodes x agents per node."""
+        return self.nnodes * self.slurm_agents_per_node
+
+    def job_dir(self, spec: LaunchSpec) -> Path:
+        """The launch's job folder: ``<slurm_job_dir>/<job file>-<run id>`` on the shared
+        folder, else ``<job file>.slurm`` beside the job file."""
+        if self.slurm_job_dir:
+            return Path(self.slurm_job_dir) / f"{spec.job_file.stem}-{spec.run_id[:8]}"
+        return Path(f"{spec.job_file}.slurm")
+
+    def channel_dir(self, spec: LaunchSpec) -> Path | None:
+        """The job folder, which every node shares."""
+        return self.job_dir(spec)
+
+    def prepare(self, spec: LaunchSpec) -> Path:
+        """The job folder emptied, and its ``logs/``."""
+        job_dir = self.job_dir(spec)
+        shutil.rmtree(job_dir, ignore_errors=True)
+        log_dir = job_dir / "logs"
+        log_dir.mkdir(parents=True)
+        return log_dir
+
+    def run(
+        self,
+        spec: LaunchSpec,
+        log_dir: Path,
+        env: Mapping[str, str],
+        log: Callable[[str], None],
+    ) -> LaunchOutcome:
+        """Submit the batch job, follow its state and read back how it ended.
+
+        Raises:
+            LaunchError: sbatch refused the job, or Slurm forgot it.
+        """
+        job_dir = log_dir.parent
+        slurm = SlurmSpec(
+            nodes=self.nnodes,
+            agents_per_node=self.slurm_agents_per_node,
+            partition=self.slurm_partition,
+            time_limit=self.slurm_time_limit,
+            sbatch_args=tuple(self.slurm_sbatch_args),
+            rdzv_port=self.slurm_rdzv_port,
+            job_name=spec.module.rsplit(".", 1)[-1],
+        )
+        args = ["--config", str(spec.job_file.resolve())]
+        script = write_scripts(slurm, job_dir, spec.module, spec.nproc_per_node, args, log_dir)
+        try:
+            job_id = submit(slurm, script, job_dir, env)
+        except SlurmError as e:
+            raise LaunchError(str(e)) from e
+        log(
+            f"submitted Slurm job {job_id}: {slurm.agents} torchrun agents on {slurm.nodes} "
+            f"node(s) x {spec.nproc_per_node} ranks; job folder {job_dir}"
+        )
+        finished = False
+        try:
+            with cancelled_with_parent(job_id, job_dir):
+                final = wait(
+                    job_id,
+                    job_dir,
+                    poll_s=self.slurm_poll_seconds,
+                    on_change=lambda s: log(
+                        f"Slurm job {job_id}: {s.state}"
+                        + (f" on {s.nodes}" if s.nodes else "")
+                        + (f" ({s.reason})" if s.reason else "")
+                    ),
+                )
+            finished = True
+        except SlurmError as e:
+            raise LaunchError(str(e)) from e
+        finally:
+            if not finished:
+                # Run termination arrives here as an interrupt: the job must not outlive it.
+                log(f"cancelling Slurm job {job_id} (scancel)")
+                cancel(job_id, job_dir)
+        recorded = {"slurm_job_id": job_id}
+        if not final.failed:
+            return LaunchOutcome(metadata=recorded)
+        failures = agent_failures(log_dir)
+        output = output_tail(job_dir, job_id)
+        where = f" on {final.nodes}" if final.nodes else ""
+        return LaunchOutcome(
+            LaunchFailure(
+                cause=f"Slurm job {job_id} {final.state}{where}: "
+                + failure_summary_or_state(failures, final),
+                log_dir=log_dir,
+                ranks=failures,
+                details={**recorded, "slurm_state": final.state},
+                texts={"slurm_output": output},
+                note="" if failures else output_excerpt(output, job_dir, job_id),
+            ),
+            recorded,
+        )
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["guard"]:

@@ -129,6 +129,9 @@ def ranked_failures(
                 text = f"{body.get('message', '')}\n{stack}"
             except (ValueError, KeyError, TypeError, AttributeError):
                 text = error.read_text()[-tail_chars:]
+            if not text.strip() and stderr.exists():
+                # An error file left empty (a full disk cut it short): the rank's own output.
+                text = stderr.read_text(errors="replace")[-tail_chars:]
             # A rank that only lost its peer is a consequence, not the cause; among the rest,
             # the file's mtime orders (error.json's timestamp has 1 s resolution).
             when = (_PEER_LOST.search(text) is not None, float(error.stat().st_mtime_ns))
@@ -167,6 +170,27 @@ def signal_cause(exit_code: int) -> str | None:
         f"killed by signal {sig} (exit code {exit_code}): "
         f"{_SIGNAL_CAUSES.get(sig, 'killed from outside the program')}"
     )
+
+
+def process_crash(what: str, pid: int | None, exit_code: int | None, last_lines: list[str]) -> str:
+    """Why a process ended without saying so itself (a Dagster step process killed by a
+    signal: the executor's bare ``ChildProcessCrashException``): ``the process of <what> (pid
+    N) was killed by signal SIGKILL (exit code -9): likely out of memory (...)``, or ``exited
+    with status 3``, then the last lines it logged (``last_lines``, oldest first), each in
+    quotes, or that it logged none.
+    """
+    who = f"the process of {what}" + (f" (pid {pid})" if pid is not None else "")
+    if exit_code is None:
+        ended = "died without an exit status"
+    else:
+        ended = signal_cause(exit_code) or f"exited with status {exit_code}"
+        ended = f"was {ended}" if exit_code < 0 else ended
+    lines = (
+        "; its last log lines: " + " | ".join(repr(line) for line in last_lines)
+        if last_lines
+        else "; it logged nothing before"
+    )
+    return f"{who} {ended}{lines}"
 
 
 def failure_summary(failures: dict[str, str]) -> str | None:

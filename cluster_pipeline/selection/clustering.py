@@ -105,23 +105,23 @@ class ClusterResult:
         """(cost - lower_bound) / cost: how far above the optimum ``cost`` can be, at most."""
         return (self.cost - self.lower_bound) / self.cost if self.cost > 0 else 0.0
 
-    def summary(self, weights: Iterable[float]) -> str:
-        """One line for a run's log: sizes before and after the capacity step, the cap, what the
-        step cost, the k-means search, and the clusters' ``weights`` n_c K / N (the ranks'
-        weights under ``balance: samples``; token balance weights by response tokens)."""
+    def summary(self, weights: Iterable[float]) -> list[str]:
+        """Three lines for a run's log (each short enough to read whole: issue 44): sizes
+        before and after the capacity step, the cap and what the step cost; the k-means search;
+        the clusters' ``weights`` n_c K / N (the ranks' weights under ``balance: samples``;
+        token balance weights by response tokens)."""
         fit = self.kmeans_fit
-        return (
+        return [
             f"K={len(self.sizes)}: sizes {self.sizes.tolist()} (k-means "
             f"{self.kmeans_sizes.tolist()}), cap {self.cap}, "
             f"cost +{100 * self.cost_increase:.2f}% (optimal within "
-            f"{100 * self.optimality_gap:.1e}%; {self.boundary_samples} samples by flow); "
-            f"k-means best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
+            f"{100 * self.optimality_gap:.1e}%; {self.boundary_samples} samples by flow)",
+            f"k-means: best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
             f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-"
-            f"{max(fit.restart_inertias):.4f}, {max(fit.restart_iterations)} iterations at "
-            f"most); weights by size n_c K / N {[round(float(w), 4) for w in weights]} (the "
-            "ranks' weights under balance: samples; balance: tokens, the default, weights by "
-            "response tokens in peripheral_subsets)"
-        )
+            f"{max(fit.restart_inertias):.4f}, {max(fit.restart_iterations)} iterations at most)",
+            f"weights by size n_c K / N {[round(float(w), 4) for w in weights]}: the ranks' "
+            "weights under balance: samples (balance: tokens weighs by response tokens)",
+        ]
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ def _sample_prices(sq_dist: np.ndarray, cap: int, seed: int) -> tuple[np.ndarray
     """Prices from two disjoint seeded subsamples (each solved exactly, caps scaled): their
     mean, and three times their largest difference as the margin within which a sample's
     cluster is left to the flow (the error of the mean is about half that difference)."""
-    n, k = sq_dist.shape
+    n = sq_dist.shape[0]
     rng = np.random.default_rng(seed)
     half = _PRICE_SAMPLE // 2
     drawn = rng.choice(n, size=2 * half, replace=False)

@@ -13,15 +13,24 @@ parameter to be the weight of an ``nn.Linear`` without a trainable bias, which L
 and ``lora_B`` are. L_s is the sample's mean token cross-entropy over its response (the loss
 LESS takes the gradient of).
 
-Adam preconditioning (:func:`adam_precondition`, the paper's eq. (1)): with the checkpoint's
-AdamW moments m, v after t steps and betas (b1, b2), the update a sample's gradient g would make:
+Adam preconditioning (:func:`adam_precondition`): with the checkpoint's AdamW moments m, v
+after t steps and betas (b1, b2), the update a sample's gradient g would make. By default the
+authors' released code (``less/data_selection/collect_grad_reps.py:111-127``,
+``obtain_gradients_with_adam``: no bias correction, eps under the square root):
 
     m' = b1 m + (1 - b1) g          v' = b2 v + (1 - b2) g^2
+    Gamma(g) = m' / sqrt(v' + eps)
+
+or (``released=False``) the paper's eq. (1), bias-corrected with eps outside the root:
+
     m_hat = m' / (1 - b1^(t+1))     v_hat = v' / (1 - b2^(t+1))
     Gamma(g) = m_hat / (sqrt(v_hat) + eps)
 
-(the authors' ``collect_grad_reps.obtain_gradients_with_adam`` leaves out the bias correction
-and puts eps under the root, ``m' / sqrt(v' + eps)``; the paper's formula is used here).
+After the per-gradient normalisation the bias correction is one scalar per checkpoint and
+cancels; where eps sits does not: under the root it dominates every coordinate with
+sqrt(v') < 1e-4 (eps = 1e-8), so the two directions differ (issue 41: a per-sample cosine of
+0.67-0.71 between them on the tiny run). The authors hard-code b1 = 0.9, b2 = 0.999,
+eps = 1e-8; here they are the checkpoint's AdamW settings (the project's are those values).
 
 Random projection (:class:`RademacherProjection`): x -> x R / sqrt(d), R a P x d matrix of
 independent +-1 entries (Johnson-Lindenstrauss: inner products and norms kept in expectation,
@@ -39,7 +48,6 @@ projected in groups as large as memory allows, so a pass rebuilds it about once 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -165,18 +173,22 @@ class AdamState:
         return cls(flat("exp_avg"), flat("exp_avg_sq"), steps.pop(), (b1, b2), group["eps"])
 
 
-def adam_precondition(grads: torch.Tensor, state: AdamState) -> torch.Tensor:
-    """Gamma(g) of the paper's eq. (1) for (B, P) per-sample gradients g (module docstring).
+def adam_precondition(grads: torch.Tensor, state: AdamState, released: bool = True) -> torch.Tensor:
+    """Gamma(g) for (B, P) per-sample gradients g (module docstring): the authors' released
+    ``m' / sqrt(v' + eps)`` (``released``), else the paper's eq. (1),
+    ``m_hat / (sqrt(v_hat) + eps)``.
 
     Returns:
         (B, P) float32.
     """
     b1, b2 = state.betas
-    t = state.step + 1
     g = grads.float()
-    m = (b1 * state.exp_avg + (1 - b1) * g) / (1 - b1**t)
-    v = (b2 * state.exp_avg_sq + (1 - b2) * g * g) / (1 - b2**t)
-    return m / (v.sqrt() + state.eps)
+    m = b1 * state.exp_avg + (1 - b1) * g
+    v = b2 * state.exp_avg_sq + (1 - b2) * g * g
+    if released:
+        return m / torch.sqrt(v + state.eps)
+    t = state.step + 1
+    return (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + state.eps)
 
 
 def trainable_linears(model) -> list[torch.nn.Linear]:
@@ -282,12 +294,6 @@ def per_sample_gradients(
         parts.append(torch.einsum("bto,bti->boi", g, x).reshape(g.shape[0], -1))
     model.zero_grad(set_to_none=True)
     return torch.cat(parts, dim=1), losses.detach()
-
-
-def batches_of(n: int, size: int) -> Iterator[slice]:
-    """Consecutive slices of ``size`` over ``n`` rows."""
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
 
 
 def normalise_rows(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

@@ -30,6 +30,7 @@ from cluster_pipeline.selection.selectors import (
     REWEIGHTED_SELECTORS,
     SelectionResult,
 )
+from cluster_pipeline.storage import atomic
 
 # The checks of :func:`check_allocation`, by name, as the asset checks describe them.
 CHECKS = {
@@ -94,11 +95,9 @@ class ShardManifest:
     def write(self, folder: Path) -> Path:
         """Write ``rank_<rank>.json`` under ``folder``; returns its path."""
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"rank_{self.rank}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
-        return path
+        return atomic.write_text(
+            folder / f"rank_{self.rank}.json", json.dumps(self.to_dict(), indent=1)
+        )
 
     @classmethod
     def read(cls, path: Path) -> ShardManifest:

@@ -1,6 +1,8 @@
 """Stage records survive the trip through Dagster metadata, and a record that lacks a field
 fails with a message naming the stage to re-materialize."""
 
+import dataclasses
+
 import dagster as dg
 import pytest
 
@@ -52,6 +54,18 @@ def test_records_round_trip_through_metadata():
         "balanced_clusters": {"uri": "/d/tables/balanced_clusters/x", "version": 2},
     }
     assert _stored(SUBSETS) == SUBSETS
+    # The selectors' record details are metadata entries of their own, as the fields they were
+    # (a targeted selection's target, s2l's and less's checkpoints, less's learning rates).
+    assert "details" not in meta
+    assert meta["selection_target"] is None and meta["selection_target_samples"] == 0
+    assert meta["s2l_checkpoint_steps"].value == [] and meta["less_learning_rates"].value == []
+    targeted = dataclasses.replace(
+        SUBSETS,
+        details={**SUBSETS.details, "selection_target": "mbpp", "s2l_checkpoint_steps": [2, 4]},
+    )
+    stored = _stored(targeted)
+    assert stored is not None and stored.details["selection_target"] == "mbpp"
+    assert stored == targeted
     assert SUBSETS.lineage()["peripheral_subsets"] == TableRef("/d/tables/peripheral_subsets/x", 3)
 
     ckpt = TrainedCheckpointRecord(

@@ -119,9 +119,11 @@ BOUNDS = [
         "peripheral_subsets",
         {"ratoi": 0.5},
         "ratoi = 0.5: not a knob of peripheral_subsets; its knobs: selector, ratio, seed, balance, "
-        "target, target_size, s2l_steps, s2l_checkpoints, s2l_clusters, s2l_learning_rate, "
-        "less_warmup_fraction, less_warmup_steps, less_checkpoints, less_lora_r, "
-        "less_learning_rate, less_projection_dim",
+        "ifd_end_of_turn, ifd_truncated, target, target_size, rds_selection, rds_pooling, "
+        "s2l_steps, s2l_checkpoints, s2l_clusters, s2l_sources, s2l_small_clusters, "
+        "s2l_learning_rate, less_warmup_fraction, less_warmup_steps, less_checkpoints, "
+        "less_lora_r, less_learning_rate, less_adam, less_subtasks, less_projection_dim, "
+        "cluster_less_cluster_size, cluster_less_samples_per_cluster, longest_by",
     ),
     (
         "peripheral_subsets",
@@ -254,15 +256,16 @@ RULES = [
         ["peripheral_subsets"],
         RunFacts(),
         "peripheral_subsets.target = '/no/such/folder': applies to the targeted selectors "
-        "(rds, less) only (the selector is 'peripheral'); peripheral_subsets.target_size = 5: "
-        "applies to the targeted selectors (rds, less) only (the selector is 'peripheral')",
+        "(rds, less, cluster_less) only (the selector is 'peripheral'); "
+        "peripheral_subsets.target_size = 5: applies to the targeted selectors (rds, less, "
+        "cluster_less) only (the selector is 'peripheral')",
     ),
     (  # Another selector's knob out of its bounds: that it does not apply, not the bound.
         {"peripheral_subsets": {"selector": "s2l", "less_projection_dim": 512}},
         ["peripheral_subsets"],
         RunFacts(),
-        "peripheral_subsets.less_projection_dim = 512: applies to selector less only (the "
-        "selector is 's2l')",
+        "peripheral_subsets.less_projection_dim = 512: applies to the selectors less, "
+        "cluster_less only (the selector is 's2l')",
     ),
     (  # A bound broken does not hide the rules across knobs: every problem in one message.
         {
@@ -277,9 +280,9 @@ RULES = [
         ["peripheral_subsets"],
         RunFacts(),
         "peripheral_subsets.ratio = 2.0: Input should be less than or equal to 1; "
-        "peripheral_subsets.target = 'humaneva': applies to the targeted selectors (rds, less) "
-        "only (the selector is 's2l'); peripheral_subsets.s2l_steps = 10: must be a multiple "
-        "of s2l_checkpoints = 3 (the proxy saves a checkpoint every s2l_steps / "
+        "peripheral_subsets.target = 'humaneva': applies to the targeted selectors (rds, less, "
+        "cluster_less) only (the selector is 's2l'); peripheral_subsets.s2l_steps = 10: must be "
+        "a multiple of s2l_checkpoints = 3 (the proxy saves a checkpoint every s2l_steps / "
         "s2l_checkpoints steps)",
     ),
     (  # An empty subset, known from N before clustering: floor(0.006 x 300 / 2) = 0.
@@ -330,9 +333,9 @@ RULES = [
         {"peripheral_subsets": {"less_warmup_steps": 6, "less_projection_dim": 2048}},
         ["peripheral_subsets"],
         RunFacts(),
-        "peripheral_subsets.less_warmup_steps = 6: applies to selector less only (the selector "
-        "is 'peripheral'); peripheral_subsets.less_projection_dim = 2048: applies to selector "
-        "less only (the selector is 'peripheral')",
+        "peripheral_subsets.less_warmup_steps = 6: applies to the selectors less, cluster_less "
+        "only (the selector is 'peripheral'); peripheral_subsets.less_projection_dim = 2048: "
+        "applies to the selectors less, cluster_less only (the selector is 'peripheral')",
     ),
     (
         {
@@ -355,8 +358,8 @@ RULES = [
         },
         ["proxy_embeddings", "peripheral_subsets"],
         RunFacts(train_samples=57),
-        "peripheral_subsets.less_warmup_fraction = 0.05: 3 of the 57 training samples for the "
-        "warm-up's 4 ranks (proxy_embeddings.world_size); at least one each",
+        "peripheral_subsets.less_warmup_fraction = 0.05: 3 of the 57 training samples of the "
+        "dataset for the warm-up's 4 ranks (proxy_embeddings.world_size); at least one each",
     ),
     (
         {"proxy_embeddings": {"max_length": 8}, "eval_report": {"max_length": 12}},

@@ -271,10 +271,66 @@ def test_the_answer_fits_inline_and_names_every_reference_that_fits():
 
 def test_each_interval_of_the_metrics_figure_carries_its_verdict_and_p():
     fig = _figures()["metrics vs base"]
-    texts = [[t.get_text() for t in ax.texts] for ax in fig.get_axes()]
+    texts = [[t.get_text() for t in ax.texts] for ax in fig.get_axes() if ax.get_visible()]
     # heldout_loss: two groups, intervals clear of 0, p 0.001; pass@1: clear of 0 only at its
     # edge (low = 0.0) with p 0.5, so no verdict.
     assert texts == [
         ["better, p = 0.001", "better, p = 0.001"],
         ["no detectable difference, p = 0.5"],
     ]
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's IHDR chunk (bytes 16-24, big-endian)."""
+    assert data.startswith(PNG_SIGNATURE)
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+# Dagster's Markdown dialog, where an asset page opens a figure, is 1,120 px wide in a
+# 1,400-px window (issue 44); a figure must fit it whole.
+DIALOG_PX = 1100
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_every_figure_fits_the_ui_dialog_of_a_1400_px_window(name):
+    width, _ = _png_size(plots.png(_figures()[name]))
+    assert width <= DIALOG_PX, (name, width)
+
+
+@pytest.mark.parametrize("metrics", [3, 4, 5])
+def test_the_metrics_figure_wraps_its_panels_instead_of_growing_wider(metrics):
+    names = ["heldout_loss", "humaneval_solution_nll", "mbpp_pass@1", "mmlu_accuracy", "x_y"]
+    comparisons = [
+        _comparison(group, "base", -0.1, -0.2, 0.05, names[m])
+        for m in range(metrics)
+        for group in ("peripheral r=0.5", "random_global r=0.5", "full r=1.0")
+    ]
+    fig = plots.metric_differences_figure(
+        comparisons, dict.fromkeys(names, 1.0), dict.fromkeys(names, "nats/token")
+    )
+    width, height = _png_size(plots.png(fig))
+    assert width <= DIALOG_PX
+    shown = [ax for ax in fig.get_axes() if ax.get_visible()]
+    assert [ax.get_title().split("\n")[0] for ax in shown] == names[:metrics]
+    assert plots.panel_grid(metrics) == (math.ceil(metrics / 2), 2)
+    assert height > width / 3  # rows, not one strip
+
+
+def test_the_decision_figure_with_three_references_fits_too():
+    points = [
+        *_decision_points(),
+        plots.DecisionPoint(
+            "peripheral r=0.5",
+            "base",
+            "base",
+            30.0,
+            4.0,
+            _comparison("peripheral r=0.5", "base", -0.2, -0.3, -0.1),
+            True,
+            2,
+        ),
+    ]
+    fig = plots.decision_figure(points, "nats/token", "a long answer " * 12, "estimated " * 6)
+    width, _ = _png_size(plots.png(fig))
+    assert width <= DIALOG_PX
+    assert sum(ax.get_visible() for ax in fig.get_axes()) == 3

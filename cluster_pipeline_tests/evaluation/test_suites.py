@@ -192,10 +192,10 @@ def test_generation_progress_lines_and_their_eta():
         progress.token()
     assert lines == [
         # 20 steps in 20 s; left 30 of this batch + 2 x 50 of the others.
-        "mbpp: batch 1/3, 20/50 new tokens, ETA at most 130 s",
+        "mbpp: batch 1/3, 20/50 new tokens, ETA about 130 s",
         "mbpp: generated 4/10",
         # The line after a batch restarts the 20 s: 45 steps in 45 s; 30 + 50 left.
-        "mbpp: batch 2/3, 20/50 new tokens, ETA at most 80 s",
+        "mbpp: batch 2/3, 20/50 new tokens, ETA about 80 s",
     ]
 
 

@@ -25,7 +25,6 @@ from cluster_pipeline.selection.selectors import (
     SelectionParams,
     needs_targets,
     run_selector,
-    warms_up_lora,
 )
 from cluster_pipeline.selection.selectors.less import checkpoint_weights, influence_scores
 from cluster_pipeline.training.config import TrainSettings
@@ -39,11 +38,82 @@ def test_adam_preconditioning_of_a_hand_checked_case():
     # 0.001999;  Gamma = m_hat / (sqrt(v_hat) + eps).
     # Second coordinate m = 0, v = 0, g = -2: m' = -0.2, v' = 0.004.
     state = AdamState(torch.tensor([0.1, 0.0]), torch.tensor([0.01, 0.0]), step=1)
-    gamma = adam_precondition(torch.tensor([[0.5, -2.0]]), state)
+    gamma = adam_precondition(torch.tensor([[0.5, -2.0]]), state, released=False)
     first = (0.14 / 0.19) / (math.sqrt(0.01024 / 0.001999) + 1e-8)
     second = (-0.2 / 0.19) / (math.sqrt(0.004 / 0.001999) + 1e-8)
     assert gamma.tolist()[0] == pytest.approx([first, second], rel=1e-6)
     assert first == pytest.approx(0.32556, rel=1e-5)  # 0.736842 / 2.263307
+
+
+def test_the_default_preconditioning_is_the_authors_released_update():
+    """less/data_selection/collect_grad_reps.py:113-125, transcribed: updated_avg = beta1 * avg
+    + (1 - beta1) * g; updated_avg_sq = beta2 * avg_sq + (1 - beta2) * g ** 2; updated_avg /
+    torch.sqrt(updated_avg_sq + eps), with beta1 0.9, beta2 0.999, eps 1e-08 and no bias
+    correction."""
+    rng = np.random.default_rng(0)
+    avg = torch.tensor(rng.normal(0, 1e-3, 6), dtype=torch.float32)
+    avg_sq = torch.tensor(rng.uniform(0, 1e-6, 6) * np.array([1, 1e-4, 1, 1e-6, 1, 0]))
+    avg_sq = avg_sq.float()
+    g = torch.tensor(rng.normal(0, 1e-3, (3, 6)), dtype=torch.float32)
+    beta1, beta2, eps = 0.9, 0.999, 1e-08
+    updated_avg = beta1 * avg + (1 - beta1) * g
+    updated_avg_sq = beta2 * avg_sq + (1 - beta2) * g**2
+    want = updated_avg / torch.sqrt(updated_avg_sq + eps)
+    state = AdamState(avg, avg_sq, step=7)
+    got = adam_precondition(g, state)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # By hand on one coordinate: m = 0.1, v = 0.01, g = 0.5 -> 0.14 / sqrt(0.01024 + 1e-8).
+    hand = AdamState(torch.tensor([0.1]), torch.tensor([0.01]), 1)
+    one = adam_precondition(torch.tensor([[0.5]]), hand)
+    assert one.item() == pytest.approx(0.14 / math.sqrt(0.01024 + 1e-8), rel=1e-6)
+    # Where sqrt(v') is below 1e-4, eps under the root changes the direction: the cosine between
+    # the released and the paper's Gamma is below 1 on these small moments.
+    paper = adam_precondition(g, state, released=False)
+    cos = torch.nn.functional.cosine_similarity(got, paper, dim=1)
+    assert (cos < 0.999).all()
+
+
+def test_the_influence_is_the_subtask_mean_then_the_max_as_the_authors_matching():
+    """less/data_selection/matching.py:75-79, transcribed: influence_score += checkpoint_weight
+    * train @ val.T over the checkpoints, then .reshape(N, N_SUBTASKS, -1).mean(-1).max(-1)
+    (the validation samples stored subtask by subtask, equally many each)."""
+    rng = np.random.default_rng(3)
+    n, subtasks, per, c, d = 9, 3, 2, 2, 5
+
+    def unit(shape):
+        x = rng.normal(size=shape)
+        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+    pool, targets = unit((n, c, d)), unit((subtasks * per, c, d))
+    weights = [0.75, 0.25]
+    influence_score = torch.zeros(n, subtasks * per, dtype=torch.float64)
+    for i in range(c):
+        influence_score += (
+            weights[i] * torch.tensor(pool[:, i]).double() @ torch.tensor(targets[:, i]).double().T
+        )
+    want = influence_score.reshape(n, subtasks, -1).mean(-1).max(-1)[0].numpy()
+    tasks = np.repeat(np.arange(subtasks), per)
+    got = influence_scores(pool, targets, [3.0, 1.0], subtasks=tasks)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Through the selector, with the tasks named and shuffled: the same scores.
+    perm = rng.permutation(len(targets))
+    names = np.array(["algebra", "anatomy", "astronomy"])[tasks]
+    inputs = SelectionInputs(
+        np.zeros(n, dtype=np.int64),
+        1,
+        less_gradients=pool,
+        less_target_gradients=targets[perm],
+        less_learning_rates=np.array([3.0, 1.0]),
+        target_tasks=names[perm],
+    )
+    result = run_selector("less", inputs, SelectionParams(r=1 / 3))
+    assert result.score is not None
+    np.testing.assert_allclose(result.score, want, rtol=1e-6)
+    # less_subtasks: max is the max over single targets, which is not the same here.
+    single = run_selector("less", inputs, SelectionParams(r=1 / 3, knobs={"less_subtasks": "max"}))
+    assert single.score is not None
+    np.testing.assert_allclose(single.score, influence_scores(pool, targets, [3.0, 1.0]))
+    assert not np.allclose(single.score, want)
 
 
 def test_adam_state_from_an_optimizer_state_dict():
@@ -124,8 +194,8 @@ def test_less_refuses_mismatched_gradients_and_is_registered():
         run_selector("less", _inputs(pool, pool, [0.0, 0.0]))
     with pytest.raises(ValueError, match="needs less_gradients"):
         run_selector("less", SelectionInputs(labels=np.zeros(3, dtype=np.int64), k=1))
-    assert "less" in REGISTRY and needs_targets("less") and warms_up_lora("less")
-    assert not warms_up_lora("s2l") and not warms_up_lora("rds")
+    assert "less" in REGISTRY and needs_targets("less") and needs_targets("rds")
+    assert not needs_targets("s2l") and not needs_targets("peripheral")
     assert "Xia et al. 2024" in REGISTRY["less"].source
 
 

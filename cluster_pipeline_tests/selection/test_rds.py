@@ -56,3 +56,174 @@ def test_rds_refuses_representations_of_different_widths():
     )
     with pytest.raises(ValueError, match="same model"):
         run_selector("rds", inputs, SelectionParams(r=0.5))
+
+
+# --- Fidelity to the authors' released code (hamishivi/automated-instruction-selection) ------
+# Each reference below is a few-line transcription of the cited lines, run on a tiny random
+# case; the product must select exactly what it selects.
+
+
+def _released_round_robin(sim: np.ndarray, output_size: int) -> list[int]:
+    """minimal_multitask/get_top_influences.py:237-284 (--selection_method max): every test
+    point's influences sorted descending (Python's stable sort: ties keep train order), then in
+    rounds each test point pops its best, appends it and drops it again if it was a duplicate;
+    cut to output_size at the end."""
+    instance_to_influences = {t: dict(enumerate(sim[:, t].tolist())) for t in range(sim.shape[1])}
+    sorted_instance_to_influence = {
+        t: sorted(infl.items(), key=lambda x: x[1], reverse=True)
+        for t, infl in instance_to_influences.items()
+    }
+    saved_instances: list[int] = []
+    while len(saved_instances) < output_size:
+        for test_d in sorted_instance_to_influence:
+            inst, _ = sorted_instance_to_influence[test_d].pop(0)
+            saved_instances.append(inst)
+            saved_instances = list(dict.fromkeys(saved_instances))  # remove_dupes_ordered
+    return saved_instances[:output_size]
+
+
+def _released_top_max(sim: np.ndarray, output_size: int) -> list[int]:
+    """minimal_multitask/get_top_optimized.py:106-154: a heap of (-score, train_idx) over every
+    (test, train) pair, popped until output_size distinct train samples."""
+    import heapq
+
+    heap = [(-float(sim[i, t]), i) for t in range(sim.shape[1]) for i in range(sim.shape[0])]
+    heapq.heapify(heap)
+    saved, seen = [], set()
+    while len(saved) < output_size and heap:
+        _, inst = heapq.heappop(heap)
+        if inst in seen:
+            continue
+        saved.append(inst)
+        seen.add(inst)
+    return saved
+
+
+def _released_aggregated(sim: np.ndarray, tasks: list[str], output_size: int) -> list[int]:
+    """minimal_multitask/get_top_aggregated_influences.py:103-106 (max over a task's test
+    points) and 131-152 (round-robin over the tasks, a dict keyed by train index)."""
+    per_dataset = {}
+    for task in dict.fromkeys(tasks):
+        cols = [t for t, name in enumerate(tasks) if name == task]
+        scores = {i: max(sim[i, t] for t in cols) for i in range(sim.shape[0])}
+        per_dataset[task] = sorted(scores.items(), key=lambda x: x[1], reverse=True)
+    inter: dict[int, float] = {}
+    while len(inter) < output_size:
+        for name in per_dataset:
+            if len(inter) >= output_size:
+                break
+            idx, score = per_dataset[name].pop(0)
+            inter[idx] = min(score, inter.get(idx, np.inf))
+    return list(inter)
+
+
+def _case(seed: int, n: int = 14, m: int = 4, d: int = 3):
+    rng = np.random.default_rng(seed)
+    pool = l2_normalise(rng.normal(size=(n, d)).astype(np.float32))
+    targets = l2_normalise(rng.normal(size=(m, d)).astype(np.float32))
+    return pool, targets
+
+
+def _selected_order(result, budget: int) -> list[int]:
+    return np.argsort(result.selection_rank)[:budget].tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_default_rule_is_the_released_round_robin_that_spends_a_turn_on_a_duplicate(seed):
+    pool, targets = _case(seed)
+    sim = pool.astype(np.float64) @ targets.T.astype(np.float64)
+    inputs = SelectionInputs(np.zeros(14, dtype=np.int64), 1, hidden_mean=pool, targets=targets)
+    for r, budget in ((0.5, 7), (0.79, 11)):
+        result = run_selector("rds", inputs, SelectionParams(r=r))
+        assert _selected_order(result, budget) == _released_round_robin(sim, budget)
+        top = run_selector("rds", inputs, SelectionParams(r=r, knobs={"rds_selection": "top_max"}))
+        assert _selected_order(top, budget) == _released_top_max(sim, budget)
+
+
+def _at(*degrees: float) -> np.ndarray:
+    radians = np.deg2rad(degrees)
+    return np.stack([np.cos(radians), np.sin(radians)], axis=1).astype(np.float32)
+
+
+def test_the_three_rules_differ_where_a_target_meets_a_duplicate():
+    # Targets at 30 and 60 degrees; pool samples at 45, 10, 78 and 170 degrees. By hand:
+    #   t0: p0 cos 15 = .966, p1 cos 20 = .940, p2 cos 48 = .669
+    #   t1: p0 cos 15 = .966, p2 cos 18 = .951, p1 cos 50 = .643
+    # Released round-robin, budget 2: t0 takes p0; t1's best is p0 too: its turn is spent;
+    # round 2: t0 takes p1. The earlier rule: t1 skips to p2. Top-max: p0 (.966), p2 (.951).
+    pool, targets = _at(45, 10, 78, 170), _at(30, 60)
+    inputs = SelectionInputs(np.zeros(4, dtype=np.int64), 1, hidden_mean=pool, targets=targets)
+    sim = pool.astype(np.float64) @ targets.T.astype(np.float64)
+    orders = {
+        rule: _selected_order(
+            run_selector("rds", inputs, SelectionParams(r=0.5, knobs={"rds_selection": rule})), 2
+        )
+        for rule in ("round_robin", "top_max", "round_robin_untaken")
+    }
+    assert orders == {"round_robin": [0, 1], "top_max": [0, 2], "round_robin_untaken": [0, 2]}
+    assert orders["round_robin"] == _released_round_robin(sim, 2)
+    assert orders["top_max"] == _released_top_max(sim, 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_target_set_with_tasks_is_round_robined_over_its_tasks_as_released(seed):
+    pool, targets = _case(seed, n=16, m=6)
+    tasks = ["b", "a", "b", "c", "a", "a"]  # tasks in order of first appearance: b, a, c
+    sim = pool.astype(np.float64) @ targets.T.astype(np.float64)
+    inputs = SelectionInputs(
+        np.zeros(16, dtype=np.int64),
+        1,
+        hidden_mean=pool,
+        targets=targets,
+        target_tasks=np.array(tasks),
+    )
+    result = run_selector("rds", inputs, SelectionParams(r=0.5))
+    assert _selected_order(result, 8) == _released_aggregated(sim, tasks, 8)
+    # One task (or none) is the per-target round-robin.
+    single = SelectionInputs(
+        np.zeros(16, dtype=np.int64),
+        1,
+        hidden_mean=pool,
+        targets=targets,
+        target_tasks=np.array(["mmlu"] * 6),
+    )
+    assert _selected_order(
+        run_selector("rds", single, SelectionParams(r=0.5)), 8
+    ) == _released_round_robin(sim, 8)
+
+
+def test_rds_pooling_is_the_released_position_weighted_mean_over_the_whole_sequence(
+    tiny_model, tiny_tokenizer
+):
+    """minimal_multitask/compute_influence_cosinesim.py:132-137 (batch size 1): weights
+    arange(L) + 1 normalised to sum 1, times hidden_states[-1], summed over positions; the
+    product computes it in a padded and in a packed batch."""
+    import torch
+
+    from cluster_pipeline.data.packing import collate_rows
+    from cluster_pipeline.data.tokenization import encode_sample
+    from cluster_pipeline.selection.embedding import embed_batch
+
+    texts = [
+        ("", "Add 3 and 4.", "The sum is 7."),
+        ("Be brief.", "Reverse the word apple.", "elppa"),
+        ("", "Explain the river.", "A river is water that flows to the sea " * 2),
+    ]
+    encoded = [encode_sample(tiny_tokenizer, *t, max_length=128) for t in texts]
+    want = []
+    for sample in encoded:
+        with torch.no_grad():
+            out = tiny_model(input_ids=torch.tensor([sample.input_ids]), output_hidden_states=True)
+        hidden_states = out.hidden_states[-1]
+        weighting_mask = torch.arange(hidden_states.size(1)).unsqueeze(0) + 1
+        weighting_mask = weighting_mask / weighting_mask.sum(dim=1, keepdim=True)
+        want.append(torch.sum(hidden_states * weighting_mask.unsqueeze(-1), dim=1)[0].numpy())
+    pad = tiny_tokenizer.pad_token_id
+    padded = collate_rows(encoded, [[0], [1], [2]], pad, packed=False)
+    packed = collate_rows(encoded, [[0, 1], [2]], pad, packed=True)
+    for batch in (padded, packed):
+        got = embed_batch(tiny_model, batch, pooling="position_weighted").hidden_mean
+        np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-6)
+    # The response mean is something else.
+    plain = embed_batch(tiny_model, padded).hidden_mean
+    assert not np.allclose(plain, np.stack(want), atol=1e-3)

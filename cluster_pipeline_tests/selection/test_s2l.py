@@ -10,9 +10,12 @@ from cluster_pipeline.selection.selectors import (
     SelectionInputs,
     SelectionParams,
     run_selector,
-    trains_a_proxy,
 )
-from cluster_pipeline.selection.selectors.s2l import balanced_sampling, trajectory_clusters
+from cluster_pipeline.selection.selectors.s2l import (
+    S2LKnobs,
+    balanced_sampling,
+    trajectory_clusters,
+)
 
 
 def _labels(sizes):
@@ -40,7 +43,7 @@ def _kept_per_cluster(labels, selected, k):
 )
 def test_algorithm_1_takes_small_clusters_whole_and_spreads_the_rest(sizes, budget, expected):
     labels = _labels(sizes)
-    order, selected = balanced_sampling(labels, budget, seed=0)
+    order, selected = balanced_sampling(labels, budget, seed=0)  # Algorithm 1 as published
     assert _kept_per_cluster(labels, selected, len(sizes)) == expected
     # The order is a permutation whose first samples are exactly the kept ones.
     assert sorted(order.tolist()) == list(range(len(labels)))
@@ -87,7 +90,8 @@ def test_s2l_through_the_registry_draws_algorithm_1_over_the_trajectory_clusters
     # K = 1 over N = 16: r = 9/16 gives the budget floor(r * 16) = 9; groups of 2, 5, 9.
     trajectories = _trajectories([2, 5, 9])
     inputs = SelectionInputs(np.zeros(16, dtype=np.int64), 1, loss_trajectories=trajectories)
-    result = run_selector("s2l", inputs, SelectionParams(r=0.5625, s2l_clusters=3))
+    knobs = S2LKnobs(s2l_clusters=3, s2l_small_clusters="algorithm_1")
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5625, knobs=knobs))
     truth = _labels([2, 5, 9])
     assert _kept_per_cluster(truth, result.selected, 3) == [2, 3, 4]
     assert result.per_cluster == 9 and result.n_selected == 9
@@ -97,7 +101,6 @@ def test_s2l_through_the_registry_draws_algorithm_1_over_the_trajectory_clusters
     # The first 9 of the order are the kept ones; weights 1; random balanced shards.
     assert set(np.flatnonzero(result.selection_rank < 9)) == set(np.flatnonzero(result.selected))
     assert (result.weight == 1).all() and not REGISTRY["s2l"].clustered
-    assert trains_a_proxy("s2l") and not trains_a_proxy("ifd")
 
 
 def test_s2l_under_token_balance_cuts_at_the_global_token_budget():
@@ -113,7 +116,8 @@ def test_s2l_under_token_balance_cuts_at_the_global_token_budget():
         response_tokens=np.full(16, 5),
         loss_trajectories=trajectories,
     )
-    result = run_selector("s2l", inputs, SelectionParams(r=0.5, balance="tokens", s2l_clusters=3))
+    knobs = S2LKnobs(s2l_clusters=3, s2l_small_clusters="algorithm_1")
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5, balance="tokens", knobs=knobs))
     assert _kept_per_cluster(_labels([2, 5, 9]), result.selected, 3) == [2, 3, 3]
     assert result.balance == "tokens" and result.token_budget == 80
     assert result.per_cluster == 8
@@ -123,9 +127,102 @@ def test_s2l_refuses_what_it_cannot_select_from():
     trajectories = _trajectories([2, 3])
     inputs = SelectionInputs(np.zeros(5, dtype=np.int64), 1, loss_trajectories=trajectories)
     with pytest.raises(ValueError, match="cannot make 6 trajectory clusters from 5 samples"):
-        run_selector("s2l", inputs, SelectionParams(r=1.0, s2l_clusters=6))
+        run_selector("s2l", inputs, SelectionParams(r=1.0, knobs=S2LKnobs(s2l_clusters=6)))
     with pytest.raises(ValueError, match="needs loss_trajectories"):
         run_selector("s2l", SelectionInputs(np.zeros(5, dtype=np.int64), 1), SelectionParams())
     short = SelectionInputs(np.zeros(5, dtype=np.int64), 1, loss_trajectories=trajectories[:4])
     with pytest.raises(ValueError, match=r"shape \(4, 3\) for a pool of 5"):
-        run_selector("s2l", short, SelectionParams(s2l_clusters=2))
+        run_selector("s2l", short, SelectionParams(knobs=S2LKnobs(s2l_clusters=2)))
+
+
+# --- Fidelity to the authors' released code (BigML-CS-UCLA/S2L, schedules/s2l.py) ------------
+
+
+def test_by_default_clusters_of_at_most_two_wait_for_what_the_others_leave():
+    # The authors' rule (schedules/s2l.py:125-144): groups of 2, 5, 9 and a budget of 9. The
+    # group of 2 waits: 9 // 2 = 4 of the 5 (R = 5), 5 // 1 = 5 of the 9, nothing left for it.
+    trajectories = _trajectories([2, 5, 9])
+    inputs = SelectionInputs(np.zeros(16, dtype=np.int64), 1, loss_trajectories=trajectories)
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5625, knobs=S2LKnobs(s2l_clusters=3)))
+    assert _kept_per_cluster(_labels([2, 5, 9]), result.selected, 3) == [0, 4, 5]
+    # A budget of 15: 15 // 2 = 7 > 5, the 5 whole (R = 10); 10 of the 9: whole (R = 1); the
+    # one left is drawn from the set-aside group.
+    result = run_selector("s2l", inputs, SelectionParams(r=15 / 16, knobs=S2LKnobs(s2l_clusters=3)))
+    assert _kept_per_cluster(_labels([2, 5, 9]), result.selected, 3) == [1, 5, 9]
+
+
+def _released_allocation(sources, kmeans_labels, num):
+    """schedules/s2l.py:54-79 (initialize_labeled_data) and 107-146 (faiss_kmeans_selection),
+    transcribed, with the k-means labels given (the groups below are far apart, so faiss's
+    clusters are them): how many samples each (source, cluster) gives; the clusters of at most 2
+    samples pooled as (source, "small"). The draws themselves are random in both."""
+    sources = np.array(sources)
+    got: dict = {}
+    names, counts = np.unique(sources, return_counts=True)
+    sorted_idx = np.argsort(counts)
+    for i in range(len(sorted_idx)):
+        n_per_source = num // (len(sorted_idx) - i)
+        indices = np.where(sources == names[sorted_idx[i]])[0]
+        source = str(names[sorted_idx[i]])
+        if len(indices) > n_per_source:
+            big_i = kmeans_labels[indices]  # faiss_kmeans_selection(self.losses[indices], n)
+            n = n_per_source
+            clusters, c_counts = np.unique(big_i, return_counts=True)
+            c_sorted = np.argsort(c_counts)
+            c_sorted = c_sorted[c_counts[c_sorted] > 2]
+            for j in range(len(c_sorted)):
+                n_per_cluster = n // (len(c_sorted) - j)
+                members = np.where(big_i == clusters[c_sorted[j]])[0]
+                key = (source, int(clusters[c_sorted[j]]))
+                if len(members) > n_per_cluster:
+                    got[key] = n_per_cluster
+                    n -= n_per_cluster
+                else:
+                    got[key] = len(members)
+                    n -= len(members)
+            if n > 0:
+                got[(source, "small")] = n
+            num -= n_per_source
+        else:
+            got[(source, "all")] = len(indices)
+            num -= len(indices)
+    return got
+
+
+@pytest.mark.parametrize("budget", [16, 31, 9])
+def test_the_budget_is_split_over_sources_then_clusters_as_the_authors_code(budget):
+    # Three files: a.jsonl with groups of 2, 6, 9; b.jsonl with 1, 4, 7; c.jsonl with 3.
+    layout = [("a.jsonl", [2, 6, 9]), ("b.jsonl", [1, 4, 7]), ("c.jsonl", [3])]
+    rows, sources, truth = [], [], []
+    for name, sizes in layout:
+        rows.append(_trajectories(sizes, seed=len(rows)))
+        sources += [name] * sum(sizes)
+        truth += _labels(sizes).tolist()
+    trajectories, truth_arr = np.concatenate(rows), np.array(truth)
+    n = len(truth)
+    want = _released_allocation(sources, truth_arr, budget)
+    inputs = SelectionInputs(
+        np.zeros(n, dtype=np.int64),
+        1,
+        loss_trajectories=trajectories,
+        sources=np.array(sources),
+    )
+    result = run_selector(
+        "s2l", inputs, SelectionParams(r=budget / n, knobs=S2LKnobs(s2l_clusters=3))
+    )
+    got: dict = {}
+    for i in np.flatnonzero(result.selected):
+        name = sources[i]
+        whole = (name, "all") in want
+        small = dict(layout)[name][truth[i]] <= 2
+        key = (name, "all") if whole else (name, "small") if small else (name, int(truth[i]))
+        got[key] = got.get(key, 0) + 1
+    assert result.n_selected == budget
+    assert got == {k: v for k, v in want.items() if v}
+    # s2l_sources: false clusters the pool as one source (3 clusters over every sample).
+    one = run_selector(
+        "s2l",
+        inputs,
+        SelectionParams(r=budget / n, knobs=S2LKnobs(s2l_clusters=3, s2l_sources=False)),
+    )
+    assert one.n_selected == budget and not np.array_equal(one.selected, result.selected)

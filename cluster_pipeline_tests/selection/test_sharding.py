@@ -58,8 +58,18 @@ def test_allocation_properties(clustering, selector, r):
         less_gradients=rng.normal(size=(len(labels), 2, 4)).astype(np.float32),
         less_target_gradients=rng.normal(size=(3, 2, 4)).astype(np.float32),
         less_learning_rates=np.array([2.0, 1.0]),
+        lengths=rng.integers(5, 40, len(labels)),
+        response_tokens=rng.integers(1, 20, len(labels)),
+        sources=np.array(["a.jsonl", "b.jsonl", "c.jsonl"])[rng.integers(0, 3, len(labels))],
+        extra={
+            "cluster_less_labels": rng.integers(0, 3, len(labels)),
+            "cluster_less_representatives": np.arange(min(4, len(labels))),
+            "cluster_less_gradients": rng.normal(size=(min(4, len(labels)), 2, 4)).astype(
+                np.float32
+            ),
+        },
     )
-    sel = run_selector(selector, inputs, SelectionParams(r, seed, s2l_clusters=2))
+    sel = run_selector(selector, inputs, SelectionParams(r, seed, knobs={"s2l_clusters": 2}))
     alloc = allocate("ds", ids, labels, sel, k, seed)
     ms = alloc.manifests
     # Every shard has the same count.

@@ -3,36 +3,51 @@ pool, one module each, behind one interface (``base``: :class:`SelectionInputs` 
 :class:`SelectionResult` with scores, plus its :class:`SelectionCost`).
 
 ``peripheral_subsets.selector`` chooses among :data:`REGISTRY`; the UI's description of that
-knob is :func:`describe`. Adding a selector is one module (a function ``(inputs, params) ->
-SelectionResult``, its formula and source in the docstring) and one :class:`SelectorSpec`
-entry below, naming the inputs it reads and the model passes they come from; sharding
-(cluster c on rank c for a ``clustered`` selector, random balanced shards otherwise), the
-weights (w_c for a ``reweighted`` one, else 1) and the cost record follow from the entry.
+knob is :func:`describe`. Adding a selector is one module here: its function ``(inputs,
+params) -> SelectionResult`` (formula and source in the docstring) and its
+specs (:class:`SelectorSpec`) in the module's ``SELECTORS``, which the registry finds by itself
+(every module of this package that has one). The spec names its knobs (they join the run
+config), its passes (``gather``, run by the Dagster layer's pass runner), its rules and its
+record's details; sharding (cluster c on rank c for a ``clustered`` selector, random balanced
+shards otherwise), the weights (w_c for a ``reweighted`` one, else 1) and the cost record
+follow from it.
 
 :func:`select` is the entry point for the selectors that read only the clustering (the six
-before the registry, with their signature); :func:`run_selector` takes any selector's inputs.
+before the registry, with their signature); :func:`run_selector` takes any selector's inputs,
+:func:`gather_inputs` builds them through a pass runner.
+
+Every selector is held to the ranks it must fill, here, whatever its module: before any of
+its passes, :func:`fill_problems` refuses a pool it cannot give each of the K ranks a sample
+from at the run's ratio and balance (issue 43: ifd, s2l, less and rds ran their expensive
+passes on a pool of 3 for 2 ranks, then failed a stage later); after it ran,
+:func:`empty_ranks` refuses a subset that leaves a rank with nothing, before anything is
+written. :func:`smallest_pool` is the pool each needs.
 """
 
 from __future__ import annotations
 
+import importlib
+import math
+import pkgutil
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import polars as pl
+from pydantic import BaseModel, Field
 
-from cluster_pipeline.selection.selectors import global_random, ifd, less, peripheral, rds, s2l
-from cluster_pipeline.selection.selectors.base import (
+from cluster_pipeline.selection.passes import (
     PASS_EMBEDDING,
-    PASS_LESS_GRADIENTS,
-    PASS_LESS_TARGETS,
-    PASS_LESS_WARMUP,
-    PASS_S2L_LOSS,
-    PASS_S2L_PROXY,
-    PASS_TARGETS,
-    PASS_UNCONDITIONED,
+    Gathered,
     PassCost,
+    PassRunner,
+    Pool,
+    SelectionFacts,
+)
+from cluster_pipeline.selection.passes import knob as knob_named
+from cluster_pipeline.selection.selectors.base import (
     SelectionCost,
     SelectionInputs,
     SelectionParams,
@@ -43,6 +58,7 @@ from cluster_pipeline.selection.selectors.base import (
     per_cluster_budget,
     token_budget,
 )
+from cluster_pipeline.storage.tables import content_digest
 
 __all__ = [
     "CLUSTER_SELECTORS",
@@ -53,122 +69,51 @@ __all__ = [
     "PassCost",
     "SelectionCost",
     "SelectionInputs",
+    "SelectionKnobs",
     "SelectionParams",
     "SelectionResult",
     "Selector",
     "SelectorSpec",
     "cluster_weights",
     "describe",
+    "empty_ranks",
+    "fill_problems",
+    "problems_before_passes",
+    "subset_version",
+    "gather_inputs",
+    "knob_classes",
+    "knobs_of",
+    "misplaced_knobs",
     "needs_targets",
     "per_cluster_budget",
     "per_cluster_summary",
+    "record_details",
     "run_selector",
     "select",
     "selection_from_table",
+    "selector_rules",
+    "smallest_pool",
     "token_budget",
-    "trains_a_proxy",
-    "warms_up_lora",
+    "with_selection",
 ]
 
-_CLUSTERING = ("sq_distance",)
+
+def _discover() -> list[SelectorSpec]:
+    """Every :class:`SelectorSpec` in the ``SELECTORS`` of this package's modules, in their
+    ``order`` (then the module's own order)."""
+    found: list[SelectorSpec] = []
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module.name == "base":
+            continue
+        found += getattr(importlib.import_module(f"{__name__}.{module.name}"), "SELECTORS", ())
+    names = [s.name for s in found]
+    if len(set(names)) != len(names):
+        raise ImportError(f"two selector modules register the same name: {sorted(names)}")
+    return sorted(found, key=lambda s: s.order)
+
 
 # Name -> selector, in the order the UI lists them (the first is the default).
-REGISTRY: dict[str, SelectorSpec] = {
-    s.name: s
-    for s in (
-        SelectorSpec(
-            "peripheral",
-            "farthest from the centroid in every cluster (CluSTER)",
-            peripheral.peripheral,
-            needs=_CLUSTERING,
-            passes=(PASS_EMBEDDING,),
-            clustered=True,
-            reweighted=True,
-            source="Kim et al., CluSTER",
-        ),
-        SelectorSpec(
-            "core",
-            "nearest to the centroid",
-            peripheral.core,
-            needs=_CLUSTERING,
-            passes=(PASS_EMBEDDING,),
-            clustered=True,
-            reweighted=True,
-            source="Kim et al., CluSTER, ablation",
-        ),
-        SelectorSpec(
-            "random",
-            "random within each cluster",
-            peripheral.random_within,
-            needs=_CLUSTERING,
-            passes=(PASS_EMBEDDING,),
-            clustered=True,
-            reweighted=True,
-            source="Kim et al., CluSTER, ablation",
-        ),
-        SelectorSpec(
-            "uniform",
-            "oversample every cluster to the largest, weight 1",
-            peripheral.uniform,
-            passes=(PASS_EMBEDDING,),
-            clustered=True,
-            source="this project",
-        ),
-        SelectorSpec(
-            "random_global",
-            "the same budget drawn from the whole pool, without clusters",
-            global_random.random_global,
-            source="Kim et al., CluSTER, random baseline",
-        ),
-        SelectorSpec(
-            "full",
-            "all data",
-            global_random.full,
-            source="full-data training",
-        ),
-        SelectorSpec(
-            "ifd",
-            "Cherry LLM's instruction-following difficulty, loss(response | prompt) / "
-            "loss(response alone), highest first among samples below 1 (one extra forward pass "
-            "without the prompt)",
-            ifd.ifd,
-            needs=("mean_loss", "unconditioned_loss"),
-            passes=(PASS_EMBEDDING, PASS_UNCONDITIONED),
-            source="Li et al. 2024, From Quantity to Quality (Cherry LLM)",
-        ),
-        SelectorSpec(
-            "rds",
-            "RDS+: round-robin over the target set (peripheral_subsets.target), each target "
-            "taking its most similar pool sample by the cosine of mean response hidden states",
-            rds.rds,
-            needs=("hidden_mean", "targets"),
-            passes=(PASS_EMBEDDING, PASS_TARGETS),
-            source="Ivison et al. 2025, Large-Scale Data Selection for Instruction Tuning",
-        ),
-        SelectorSpec(
-            "s2l",
-            "SmallToLarge: k-means on each sample's loss trajectory over the checkpoints of a "
-            "proxy trained briefly on the pool (peripheral_subsets.s2l_steps, s2l_checkpoints), "
-            "then the same budget drawn evenly across the trajectory clusters, small ones whole",
-            s2l.s2l,
-            needs=("loss_trajectories",),
-            passes=(PASS_S2L_PROXY, PASS_S2L_LOSS),
-            source="Yang et al. 2024, SmallToLarge (S2L), NeurIPS 2024",
-        ),
-        SelectorSpec(
-            "less",
-            "LESS: the highest learning-rate-weighted cosine between a sample's "
-            "Adam-preconditioned LoRA gradient and its best target's gradient "
-            "(peripheral_subsets.target), both randomly projected, at the checkpoints of a short "
-            "LoRA warm-up on a random share of the pool (peripheral_subsets.less_*)",
-            less.less,
-            needs=("less_gradients", "less_target_gradients", "less_learning_rates"),
-            passes=(PASS_LESS_WARMUP, PASS_LESS_GRADIENTS, PASS_LESS_TARGETS),
-            source="Xia et al. 2024, LESS: Selecting Influential Data for Targeted Instruction "
-            "Tuning, ICML 2024",
-        ),
-    )
-}
+REGISTRY: dict[str, SelectorSpec] = {s.name: s for s in _discover()}
 
 SELECTORS: tuple[str, ...] = tuple(REGISTRY)
 # Selectors that keep the clusters: cluster c is trained on rank c with weight w_c.
@@ -183,27 +128,306 @@ else:
     Selector = Literal[SELECTORS]
 
 
-def needs_targets(name: str) -> bool:
-    """Whether the selector ``name`` reads a target set (``peripheral_subsets.target``)."""
-    spec = REGISTRY.get(name)
-    return spec is not None and bool({PASS_TARGETS, PASS_LESS_TARGETS} & set(spec.passes))
-
-
-def warms_up_lora(name: str) -> bool:
-    """Whether the selector ``name`` runs less's LoRA warm-up (the ``less_*`` knobs apply)."""
-    spec = REGISTRY.get(name)
-    return spec is not None and PASS_LESS_WARMUP in spec.passes
-
-
-def trains_a_proxy(name: str) -> bool:
-    """Whether the selector ``name`` trains a proxy model on the pool (s2l's knobs apply)."""
-    spec = REGISTRY.get(name)
-    return spec is not None and PASS_S2L_PROXY in spec.passes
-
-
 def describe() -> str:
     """The UI's description of ``selector``: every registered selector, one clause each."""
     return "; ".join(f"{name} = {spec.summary}" for name, spec in REGISTRY.items()) + "."
+
+
+class SelectionKnobs(BaseModel):
+    """The knobs of every selection: the selector, ratio r, balance and seed (each selector's
+    own knobs are its spec's ``knobs``)."""
+
+    selector: Selector = Field(default=SELECTORS[0], description=describe())
+    ratio: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Selection ratio r: every "
+        "cluster keeps floor(r * m) samples, m = smallest cluster size.",
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the random selectors.")
+    balance: Balance = Field(
+        default="tokens",
+        description="tokens = every cluster keeps its selector's samples up to the same token "
+        "budget, floor(r x the smallest cluster's tokens), so every rank does the same work; "
+        "rank c's weight is K R_c / R (R_c the cluster's response tokens). samples = the "
+        "published rule: floor(r x the smallest cluster's size) samples each, w_c = n_c K / N.",
+    )
+
+
+def needs_targets(name: str) -> bool:
+    """Whether the selector ``name`` reads a target set (its knobs hold
+    ``peripheral_subsets.target``)."""
+    spec = REGISTRY.get(name)
+    return spec is not None and "target" in spec.knobs.model_fields
+
+
+def knob_classes() -> tuple[type[BaseModel], ...]:
+    """Every selector's knob class, once each, in registry order (knob-less ones left out):
+    the run config's selection knobs are :class:`SelectionKnobs` and these."""
+    out: list[type[BaseModel]] = []
+    for spec in REGISTRY.values():
+        if spec.knobs.model_fields and spec.knobs not in out:
+            out.append(spec.knobs)
+    return tuple(out)
+
+
+def knobs_of(selector: str, config: BaseModel | Mapping[str, Any]) -> BaseModel:
+    """The knobs of ``selector`` (its spec's class) from a config holding them (the run
+    config's ``peripheral_subsets``, or a dict of knob values; the rest ignored).
+
+    Raises:
+        KeyError: an unknown selector.
+        pydantic.ValidationError: a knob outside its bounds.
+    """
+    fields = REGISTRY[selector].knobs.model_fields
+    values = config.model_dump() if isinstance(config, BaseModel) else config
+    return REGISTRY[selector].knobs.model_validate({k: v for k, v in values.items() if k in fields})
+
+
+def _owners(knob: str) -> list[str]:
+    return [name for name, spec in REGISTRY.items() if knob in spec.knobs.model_fields]
+
+
+def _group(knob: str) -> str | None:
+    """The ``GROUP`` of the knob class that declares ``knob`` (TargetKnobs: "the targeted
+    selectors"), if it has one."""
+    for spec in REGISTRY.values():
+        for cls in spec.knobs.__mro__:
+            if knob in vars(cls).get("__annotations__", {}):
+                return vars(cls).get("GROUP")
+    return None
+
+
+def misplaced_knobs(selector: str, knobs: Iterable[str]) -> dict[str, str]:
+    """Of ``knobs`` (given in a run config), those of other selectors than ``selector``, each
+    with its rule: ``applies to selector s2l only (the selector is 'peripheral')`` (several
+    owners: their group, e.g. ``the targeted selectors (rds, less)``)."""
+    own = set(SelectionKnobs.model_fields) | set(
+        REGISTRY[selector].knobs.model_fields if selector in REGISTRY else ()
+    )
+    out = {}
+    for knob in knobs:
+        owners = _owners(knob)
+        if knob in own or not owners:
+            continue
+        group = _group(knob)
+        if group is not None:
+            who = f"{group} ({', '.join(owners)})"
+        elif len(owners) == 1:
+            who = f"selector {owners[0]}"
+        else:
+            who = f"the selectors {', '.join(owners)}"
+        out[knob] = f"applies to {who} only (the selector is {selector!r})"
+    return out
+
+
+def selector_rules(selector: str, knobs: BaseModel, facts: SelectionFacts) -> list[str]:
+    """The problems of ``selector``'s knobs under ``facts`` (its spec's ``rules``)."""
+    spec = REGISTRY[selector]
+    return spec.rules(knobs, replace(facts, selector=selector))
+
+
+def _least_cluster(r: float) -> int:
+    """The smallest cluster size m with floor(r m) >= 1 (r m rounded to 9 decimals, as the
+    budgets round it)."""
+    m = max(1, math.floor(1 / r))
+    while math.floor(round(r * m, 9)) < 1:
+        m += 1
+    return m
+
+
+def smallest_pool(selector: str, k: int, r: float, balance: str) -> int:
+    """The smallest pool ``selector`` gives each of ``k`` ranks a sample from at ratio ``r``
+    and ``balance``, the pool split into K equal clusters of equal samples (of at least 1 / r
+    tokens under token balance):
+
+    - a selector that keeps every cluster's share by a budget (``budgeted``): every cluster
+      must keep floor(r m) >= 1 samples, m its size, so K ceil(1 / r) samples (sample
+      balance); under token balance floor(r L_c) >= 1 token, and a clustered selector keeps at
+      least each cluster's first sample: K samples; an unclustered one keeps the samples that
+      fit K floor(r L_min) tokens, K of them only when r m >= 1: K ceil(1 / r) again;
+    - one that keeps everything, or oversamples (``full``, ``uniform``): K.
+
+    Raises:
+        KeyError: an unknown selector.
+    """
+    spec = REGISTRY[selector]
+    if not spec.budgeted or (balance == "tokens" and spec.clustered):
+        return k
+    return k * _least_cluster(r)
+
+
+def _fill_advice(selector: str, k: int, r: float, balance: str) -> str:
+    return (
+        f"raise ratio, lower balanced_clusters.num_clusters, or add data ({selector} needs a "
+        f"pool of at least {smallest_pool(selector, k, r, balance)} samples in {k} equal "
+        f"clusters to fill {k} ranks at ratio {r}, balance {balance})"
+    )
+
+
+def problems_before_passes(
+    selector: str, knobs: BaseModel, facts: SelectionFacts, pool: Pool, r: float, balance: str
+) -> list[str]:
+    """Everything that refuses ``selector`` on ``pool`` before any of its model passes: its
+    own rules (:func:`selector_rules`) and whether it can fill every rank at ratio ``r`` and
+    ``balance`` (:func:`fill_problems`); [] when none."""
+    return selector_rules(selector, knobs, facts) + fill_problems(
+        selector, pool.labels, pool.k, r, balance, pool.lengths
+    )
+
+
+def fill_problems(
+    selector: str,
+    labels: np.ndarray,
+    k: int,
+    r: float,
+    balance: str,
+    lengths: np.ndarray | None = None,
+) -> list[str]:
+    """Why ``selector`` cannot give each of the ``k`` ranks a sample from this clustered pool,
+    known before any of its passes (one ``peripheral_subsets.<knob> = <value>: ...`` line; []
+    when it can, as far as the budget tells: a selector that then keeps fewer samples than its
+    budget allows, ifd leaving unscored samples out, is caught by :func:`empty_ranks`).
+
+    Args:
+        selector: a registered selector.
+        labels: (N,) int64 cluster per sample, in [0, K).
+        k: K, clusters = ranks.
+        r: the selection ratio.
+        balance: ``"samples"`` or ``"tokens"``.
+        lengths: (N,) int64 tokens per sample (token balance).
+    """
+    spec = REGISTRY[selector]
+    labels = np.asarray(labels, dtype=np.int64)
+    sizes = np.bincount(labels, minlength=k)
+    if len(labels) == 0 or (sizes == 0).any():
+        return []  # the clustering's own refusal (an empty cluster) comes first
+    advice = _fill_advice(selector, k, r, balance)
+    ratio = knob_named("ratio", r)
+    clusters = f"balanced_clusters.num_clusters = {k}"
+    if not spec.budgeted:
+        if spec.clustered or len(labels) >= k:
+            return []
+        return [
+            f"{knob_named('selector', selector)}: deals the pool's {len(labels)} samples into "
+            f"{k} ranks ({clusters}), fewer than one each; {advice}"
+        ]
+    if balance == "samples" or lengths is None:
+        m = int(sizes.min())
+        keep = math.floor(round(r * m, 9))
+        if keep >= 1:
+            return []
+        return [
+            f"{ratio}: {selector} keeps no sample: every cluster keeps floor(r x the smallest "
+            f"cluster's size) = floor({r} x {m}) = 0 samples (cluster sizes {sizes.tolist()} "
+            f"at {clusters}); {advice}"
+        ]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    totals = np.bincount(labels, weights=lengths, minlength=k).astype(np.int64)
+    least = int(totals.min())
+    per_cluster = math.floor(round(r * least, 9))
+    if per_cluster == 0:
+        return [
+            f"{ratio}: {selector} keeps no sample: every cluster keeps floor(r x the smallest "
+            f"cluster's tokens) = floor({r} x {least}) = 0 tokens (cluster tokens "
+            f"{totals.tolist()} at {clusters}); {advice}"
+        ]
+    if spec.clustered:
+        return []
+    budget = k * per_cluster
+    # The most samples the budget can hold: the shortest first (at least one, as kept).
+    fits = max(1, int(np.searchsorted(np.cumsum(np.sort(lengths)), budget, side="right")))
+    if fits >= k:
+        return []
+    return [
+        f"{ratio}: {selector} can keep at most {fits} of the pool's {len(labels)} samples: its "
+        f"budget, K x floor(r x the smallest cluster's tokens) = {k} x floor({r} x {least}) = "
+        f"{budget} tokens, holds {fits} even taking the shortest first, and the {k} ranks "
+        f"({clusters}) need a sample each; {advice}"
+    ]
+
+
+def empty_ranks(
+    result: SelectionResult, labels: np.ndarray, k: int, r: float, pool_size: int
+) -> str | None:
+    """Why a selector's result would leave a rank with nothing to train (the one check before
+    a subset is written, ``peripheral_subsets``); None when every rank gets a sample: a
+    clustered selector's cluster c is rank c, so each cluster must keep a sample; an
+    unclustered one's subset is dealt into K random shards, so it must keep K samples (copies
+    counted).
+
+    Args:
+        result: the selector's result over the pool.
+        labels: (N,) int64 cluster per sample.
+        k: K.
+        r: the ratio it ran at (for the message).
+        pool_size: N (for the message).
+    """
+    selector = result.selector
+    advice = "nothing was saved; raise ratio, lower balanced_clusters.num_clusters, or add data"
+    if REGISTRY[selector].clustered:
+        kept = np.bincount(np.asarray(labels, dtype=np.int64), weights=result.copies, minlength=k)
+        empty = [c for c in range(k) if kept[c] == 0]
+        if not empty:
+            return None
+        return (
+            f"{knob_named('ratio', r)}: {selector} kept no sample of cluster(s) {empty} "
+            f"(cluster c trains on rank c; kept per cluster {kept.astype(int).tolist()}), so "
+            f"those ranks would train on nothing; {advice}"
+        )
+    n = int(result.copies.sum())
+    if n >= k:
+        return None
+    return (
+        f"{knob_named('ratio', r)}: {selector} kept {n} sample(s) of the pool's {pool_size} "
+        f"for {k} ranks (balanced_clusters.num_clusters = {k}), so a rank would train on "
+        f"nothing; {advice}"
+    )
+
+
+def record_details() -> dict[str, Any]:
+    """Every selector's record details with the values recorded when it did not run, in
+    registry order (the record of any selection holds them all)."""
+    out: dict[str, Any] = {}
+    for spec in REGISTRY.values():
+        for key, value in spec.details.items():
+            out.setdefault(key, value)
+    return out
+
+
+def gather_inputs(
+    selector: str, knobs: BaseModel, pool: Pool, runner: PassRunner
+) -> tuple[SelectionInputs, Gathered]:
+    """The inputs of ``selector`` for ``pool``: the clustering's columns and what its
+    ``gather`` asks of ``runner``; its cost record starts with the pool pass (for the
+    selectors that read it).
+
+    Returns:
+        (the inputs, what its gather returned: its passes' costs and its record details).
+
+    Raises:
+        PassFailed: a pass cannot give the selector what it needs.
+    """
+    spec = REGISTRY[selector]
+    gathered = spec.gather(knobs, pool, runner)
+    fields = set(SelectionInputs.__dataclass_fields__)
+    own = {k: v for k, v in gathered.inputs.items() if k in fields}
+    extra = {k: v for k, v in gathered.inputs.items() if k not in fields}
+    reads = gathered.reads_pool_pass
+    reads = PASS_EMBEDDING in spec.passes if reads is None else reads
+    first = (pool.cost,) if pool.cost is not None and reads else ()
+    inputs = SelectionInputs(
+        labels=np.asarray(pool.labels, dtype=np.int64),
+        k=pool.k,
+        sq_distance=pool.sq_distance,
+        lengths=pool.lengths,
+        response_tokens=pool.response_tokens,
+        passes=(*first, *gathered.passes),
+        extra=extra,
+        **own,
+    )
+    return inputs, gathered
 
 
 def run_selector(
@@ -231,9 +455,11 @@ def run_selector(
         if inputs.lengths is None or inputs.response_tokens is None:
             raise ValueError("token balance needs the samples' lengths and response tokens")
         cluster_tokens(inputs)  # positive lengths
-    missing = [need for need in spec.needs if getattr(inputs, need) is None]
+    missing = [need for need in spec.needs if inputs.get(need) is None]
     if missing:
         raise ValueError(f"selector {name!r} needs {', '.join(missing)}, which were not given")
+    if not isinstance(params.knobs, spec.knobs):  # its defaults, or its knobs of a config
+        params = replace(params, knobs=knobs_of(name, params.knobs or {}))
     start = time.perf_counter()
     result = spec.run(replace(inputs, labels=labels), params)
     seconds = time.perf_counter() - start
@@ -306,6 +532,35 @@ def selection_from_table(
         balance=balance,
         token_budget=token_budget,
         score=frame["score"].to_numpy() if "score" in frame.columns else None,
+    )
+
+
+def with_selection(frame: pl.DataFrame, result: SelectionResult) -> pl.DataFrame:
+    """``frame`` (the clustered pool, table order) with a selector's result as the columns of a
+    ``peripheral_subsets`` table: ``selection_rank``, ``selected``, ``copies``, ``weight`` and
+    ``score`` (null where nan or not recorded); :func:`selection_from_table` reads it back."""
+    score = result.score if result.score is not None else np.full(frame.height, np.nan)
+    return frame.with_columns(
+        pl.Series("selection_rank", result.selection_rank),
+        pl.Series("selected", result.selected),
+        pl.Series("copies", result.copies),
+        pl.Series("weight", result.weight),
+        pl.Series("score", score, dtype=pl.Float64).fill_nan(None),
+    )
+
+
+def subset_version(frame: pl.DataFrame, selector: str, result: SelectionResult) -> str:
+    """The data version of a ``peripheral_subsets`` table (:func:`with_selection`) made by
+    ``selector``: its content and what ``shard_manifests`` reads beside it, how the subset is
+    dealt (selector, balance, per-cluster budget, token budget); the same subset gives the same
+    version."""
+    return content_digest(
+        frame,
+        frame.columns,
+        selector,
+        result.balance,
+        str(result.per_cluster),
+        str(result.token_budget),
     )
 
 

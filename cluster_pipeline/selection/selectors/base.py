@@ -1,15 +1,17 @@
 """What every selector shares (docs/design.md, step 3): its inputs, its result, its cost record
 and the budgets that make selectors comparable at equal data.
 
-A selector is a function ``(SelectionInputs, SelectionParams) -> SelectionResult`` registered
-as a :class:`SelectorSpec` (``selection/selectors/__init__.py``). The inputs are per-sample
-columns of the clustered pool (N rows, in the ``balanced_clusters`` table's order) plus what a
-selector's own model passes produced (the target set's embeddings for ``rds``, the
+A selector is one module of ``selection/selectors/`` holding a function ``(SelectionInputs,
+SelectionParams) -> SelectionResult`` and its :class:`SelectorSpec` (the module's
+``SELECTORS``; the registry, ``__init__.py``, finds them): its knobs (a pydantic class, part of
+``peripheral_subsets``' run config), the model passes it needs, declared as requests
+(``gather(knobs, pool, runner)``, selection/passes.py), its rules (``rules(knobs, facts)``:
+the settings it refuses before any pass) and what its record keeps (``details``). The inputs
+are per-sample columns of the clustered pool (N rows, in the ``balanced_clusters`` table's
+order) plus what its own passes produced (the target set's representations for ``rds``, the
 unconditioned losses for ``ifd``, the proxy's loss trajectories for ``s2l``, the projected
-gradients of the pool and the target set for ``less``); a spec names the
-inputs it reads (``needs``) and the model passes they come from (``passes``), so the caller
-runs only the passes the chosen selector needs and refuses a selector whose inputs are missing
-before anything runs.
+gradients of the pool and the target set for ``less``); a spec names the inputs it reads
+(``needs``), and a selector whose inputs are missing is refused before it runs.
 
 Budgets. With clusters of sizes n_c (after the capacity step), m = min_c n_c, and token totals
 ``L_c = sum_{i in c} l_i`` (l_i the sample's tokens, prompt and response):
@@ -31,87 +33,20 @@ R_c the cluster's response tokens), for the re-weighted selectors; 1 for the oth
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel
 
-# The inputs a selector may need (fields of SelectionInputs), and the model passes they come
-# from: the embedding pass (proxy_embeddings) gives the clustering's distances, the lengths,
-# the conditioned mean loss and hidden_mean; the others are a selector's own passes (s2l's
-# proxy training, and its loss pass under each of the proxy's checkpoints).
-PASS_EMBEDDING = "embedding"
-PASS_UNCONDITIONED = "unconditioned"
-PASS_TARGETS = "targets"
-PASS_S2L_PROXY = "s2l_proxy"
-PASS_S2L_LOSS = "s2l_loss"
-PASS_LESS_WARMUP = "less_warmup"
-PASS_LESS_GRADIENTS = "less_gradients"
-PASS_LESS_TARGETS = "less_targets"
-
-# s2l's trajectory clusters by default: the paper's (Yang et al. 2024, its MathInstruct runs).
-S2L_CLUSTERS = 100
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """One model pass over samples that a selector's inputs came from.
-
-    Attributes:
-        name: ``"embedding"`` (the proxy_embeddings pass over the pool), ``"unconditioned"``
-            (ifd's response-only pass), ``"targets"`` (rds's pass over the target set),
-            ``"s2l_proxy"`` (s2l's proxy training) or ``"s2l_loss"`` (s2l's loss pass under
-            one proxy checkpoint; one entry per checkpoint, in step order), ``"less_warmup"``
-            (less's LoRA warm-up), ``"less_gradients"`` / ``"less_targets"`` (less's
-            per-sample gradients of the pool / the target set under one warm-up checkpoint;
-            one entry per checkpoint, in step order).
-        samples: samples passed forward, one forward pass each (for a training pass, the
-            sample visits of all its optimizer steps over all ranks).
-        tokens: tokens of those samples (as the model saw them).
-        seconds: what the pass costs at the rate its cache measured (model load excluded), the
-            same whether this run computed it or read it from the cache; a training pass's
-            measured training seconds.
-        backward: backward passes (per sample visit: s2l's proxy training, less's warm-up;
-            one per sample for less's gradient passes).
-        run_now: samples this run passed through the model (the others were cached).
-        peak_rss_mib: the largest rank's peak resident memory (MiB) over the runs that
-            computed the pass (None where they did not record it: a cache from before
-            2026-12-02).
-        peak_cuda_mib: the same for CUDA memory allocated by torch (0 on the CPU).
-    """
-
-    name: str
-    samples: int
-    tokens: int
-    seconds: float
-    backward: int = 0
-    run_now: int = 0
-    peak_rss_mib: float | None = None
-    peak_cuda_mib: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (seconds rounded to 0.01 s, memory to 0.1 MiB)."""
-        return {
-            "name": self.name,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "seconds": round(self.seconds, 2),
-            "backward": self.backward,
-            "run_now": self.run_now,
-            "peak_rss_mib": round_mib(self.peak_rss_mib),
-            "peak_cuda_mib": round_mib(self.peak_cuda_mib),
-        }
-
-
-def round_mib(value: float | None) -> float | None:
-    """A memory figure in MiB to 0.1 MiB (None stays None: not recorded)."""
-    return None if value is None else round(value, 1)
-
-
-def mib_of(stats: dict[str, Any], key: str) -> float | None:
-    """``stats[key]`` (bytes) in MiB, None where absent."""
-    return float(stats[key]) / 2**20 if stats.get(key) is not None else None
+from cluster_pipeline.selection.passes import (
+    Gathered,
+    PassCost,
+    PassRunner,
+    Pool,
+    SelectionFacts,
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +118,12 @@ class SelectionInputs:
             target samples under the same checkpoints, with the same projection.
         less_learning_rates: (C,) float64 the warm-up's mean learning rate before each
             checkpoint (eta_i).
+        target_tasks: (M,) str the task of each target sample (rds, less: MMLU's topic, a
+            folder's file; "" where the target set has none).
+        sources: (N,) str each pool sample's source (its file; s2l, balanced_random).
         passes: the model passes the inputs came from, attached to the cost record.
+        extra: inputs of a selector's own by name (what its ``gather`` returned under names
+            that are not fields here).
     """
 
     labels: np.ndarray
@@ -199,24 +139,48 @@ class SelectionInputs:
     less_gradients: np.ndarray | None = None
     less_target_gradients: np.ndarray | None = None
     less_learning_rates: np.ndarray | None = None
+    target_tasks: np.ndarray | None = None
+    sources: np.ndarray | None = None
     passes: tuple[PassCost, ...] = ()
+    extra: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
         """N."""
         return len(self.labels)
 
+    def get(self, name: str) -> np.ndarray | None:
+        """The input ``name``: a field, or one of :attr:`extra` (None when not given)."""
+        if name in self.extra:
+            return self.extra[name]
+        return getattr(self, name, None)
+
 
 @dataclass(frozen=True)
 class SelectionParams:
     """The knobs every selector takes: ratio r in (0, 1], seed of the random ones, and balance
-    (``"samples"``: the published rule; ``"tokens"``: budgets in tokens); and s2l's number of
-    trajectory clusters (unused by the others)."""
+    (``"samples"``: the published rule; ``"tokens"``: budgets in tokens); and the selector's
+    own knobs (its spec's ``knobs`` class, or a mapping of knob values, those of other
+    selectors ignored; None: its defaults)."""
 
     r: float = 1.0
     seed: int = 0
     balance: str = "samples"
-    s2l_clusters: int = S2L_CLUSTERS
+    knobs: BaseModel | Mapping[str, Any] | None = None
+
+
+class NoKnobs(BaseModel):
+    """The knobs of a selector without knobs of its own."""
+
+
+def no_passes(knobs: BaseModel, pool: Pool, runner: PassRunner) -> Gathered:
+    """The ``gather`` of a selector that reads the clustering alone: nothing to run."""
+    return Gathered()
+
+
+def no_rules(knobs: BaseModel, facts: SelectionFacts) -> list[str]:
+    """The ``rules`` of a selector whose knobs need no rule beyond their bounds."""
+    return []
 
 
 @dataclass(frozen=True)
@@ -279,22 +243,55 @@ class SelectorSpec:
         summary: one line for the UI's description of ``selector``.
         run: the selector: ``(inputs, params) -> SelectionResult`` (cost added by the
             registry's :func:`~cluster_pipeline.selection.selectors.run_selector`).
-        needs: the :class:`SelectionInputs` fields it reads beyond labels and K.
-        passes: the model passes those inputs come from (``PASS_*``).
+        order: where the UI lists it, ascending (the lowest is the default selector).
+        needs: the :class:`SelectionInputs` fields (or ``extra`` names) it reads beyond labels
+            and K.
+        passes: the model passes those inputs come from (``PASS_*``; ``"embedding"`` for the
+            pool pass's columns).
         clustered: its subset keeps the clusters (cluster c trains on rank c); otherwise the
             subset is dealt into random balanced shards (selection/sharding.py).
         reweighted: rank c's loss is weighted by w_c (step 5).
         source: where its rule comes from (the paper).
+        knobs: its knobs, a pydantic class whose fields join ``peripheral_subsets``' run
+            config (each field once, whoever declares it; :class:`NoKnobs`: none).
+        gather: ``(knobs, pool, runner) -> Gathered``: its inputs beyond the clustering, from
+            the pool pass's table and its own passes (selection/passes.py).
+        rules: ``(knobs, facts) -> problems``: what it refuses before any pass, one line each
+            (``peripheral_subsets.<knob> = <value>: <rule>``).
+        details: what its record keeps: metadata key -> the value recorded when it did not run
+            (every selection's record holds every selector's keys).
+        budgeted: it keeps a budget set by r (the run checks refuse an r that keeps nothing).
     """
 
     name: str
     summary: str
     run: Callable[[SelectionInputs, SelectionParams], SelectionResult]
+    order: int = 100
     needs: tuple[str, ...] = ()
     passes: tuple[str, ...] = ()
     clustered: bool = False
     reweighted: bool = False
     source: str = field(default="")
+    knobs: type[BaseModel] = NoKnobs
+    gather: Callable[[Any, Pool, PassRunner], Gathered] = no_passes
+    rules: Callable[[Any, SelectionFacts], list[str]] = no_rules
+    details: Mapping[str, Any] = field(default_factory=dict)
+    budgeted: bool = True
+
+
+def groups_of(values: np.ndarray | None, at_least: int = 1) -> np.ndarray | None:
+    """(n,) int64 each value's group, groups numbered in the order their first member appears
+    (a pool's sources, a target set's tasks); None when ``values`` is None or holds fewer than
+    ``at_least`` distinct values."""
+    if values is None:
+        return None
+    names = np.asarray(values).astype(str)
+    _, first, inverse = np.unique(names, return_index=True, return_inverse=True)
+    if len(first) < at_least:
+        return None
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inverse.reshape(-1)]
 
 
 def cluster_weights(sizes: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from cluster_pipeline.selection.selectors.base import (
     SelectionInputs,
     SelectionParams,
     SelectionResult,
+    SelectorSpec,
     global_budget,
     global_selection,
 )
@@ -41,3 +42,16 @@ def full(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
     else:
         budget = inputs.n
     return global_selection("full", order, inputs, params, budget, np.full(inputs.n, np.nan))
+
+
+SELECTORS = (
+    SelectorSpec(
+        "random_global",
+        "the same budget drawn from the whole pool, without clusters",
+        random_global,
+        order=10,
+        source="Kim et al., CluSTER, random baseline",
+    ),
+    # r does not bound what full keeps.
+    SelectorSpec("full", "all data", full, order=11, source="full-data training", budgeted=False),
+)

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from cluster_pipeline.selection.passes import PASS_EMBEDDING
 from cluster_pipeline.selection.selectors.base import (
     SelectionInputs,
     SelectionParams,
     SelectionResult,
+    SelectorSpec,
     cluster_tokens,
     cluster_weights,
     per_cluster_budget,
@@ -156,3 +158,53 @@ def uniform(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult
     return SelectionResult(
         "uniform", copies > 0, copies, rank, ones[labels], ones, largest, score=score
     )
+
+
+_CLUSTERING = ("sq_distance",)
+
+SELECTORS = (
+    SelectorSpec(
+        "peripheral",
+        "farthest from the centroid in every cluster (CluSTER)",
+        peripheral,
+        order=0,
+        needs=_CLUSTERING,
+        passes=(PASS_EMBEDDING,),
+        clustered=True,
+        reweighted=True,
+        source="Kim et al., CluSTER",
+    ),
+    SelectorSpec(
+        "core",
+        "nearest to the centroid",
+        core,
+        order=1,
+        needs=_CLUSTERING,
+        passes=(PASS_EMBEDDING,),
+        clustered=True,
+        reweighted=True,
+        source="Kim et al., CluSTER, ablation",
+    ),
+    SelectorSpec(
+        "random",
+        "random within each cluster",
+        random_within,
+        order=2,
+        needs=_CLUSTERING,
+        passes=(PASS_EMBEDDING,),
+        clustered=True,
+        reweighted=True,
+        source="Kim et al., CluSTER, ablation",
+    ),
+    SelectorSpec(
+        "uniform",
+        "oversample every cluster to the largest, weight 1",
+        uniform,
+        order=3,
+        passes=(PASS_EMBEDDING,),
+        clustered=True,
+        source="this project",
+        # r is unused: it oversamples every cluster to the largest, so no r keeps nothing.
+        budgeted=False,
+    ),
+)

@@ -1,0 +1,194 @@
+"""A dataset folder's rules: which files are its samples, which are its own settings or
+documentation, and how every sample of it is read.
+
+The data files are every file under the folder, recursively, whose suffix a reader has
+(:data:`~cluster_pipeline.data.readers.SUPPORTED_SUFFIXES`), in sorted path order, except the
+folder's settings (``eval.json``: its benchmarks; ``fields.json``: field renaming, applied to
+every record before the forms are tried) and the metadata a ``datasets.save_to_disk`` folder
+keeps beside its Arrow files (``dataset_info.json``, ``state.json``, ``dataset_dict.json``).
+The folder's card and license file are documentation: never read as samples, never counted
+among the files not read. Every sample keeps the file, the 1-based line (Parquet, Arrow: row)
+it came from and its 0-based place among the file's records (``source_index``: records of a
+one-line JSON array share a line), so a trained-on sample can be traced back to its source.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+from cluster_pipeline.data import json_text
+from cluster_pipeline.data.forms import FIELD_NAMES, FIELDS_CONFIG_NAME, normalise_record
+from cluster_pipeline.data.readers import (
+    SUPPORTED_SUFFIXES,
+    empty_file_reason,
+    iter_file_records,
+)
+from cluster_pipeline.data.samples import DatasetFormatError, Sample
+
+# A dataset folder's own settings (its evaluation benchmarks), never read as samples.
+EVAL_CONFIG_NAME = "eval.json"
+# A dataset folder's documentation, never read as samples nor counted as files not read: its
+# card, whose YAML front matter may declare the license, and its license file
+# (data/datasets.source_license).
+CARD_NAME = "README.md"
+LICENSE_NAMES = ("LICENSE", "LICENSE.md", "LICENSE.txt")
+# What `datasets.Dataset.save_to_disk` writes beside its Arrow files.
+HF_METADATA_NAMES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def data_files(folder: Path) -> list[Path]:
+    """The dataset's sample files under ``folder``, sorted: every file with a supported suffix
+    (.json/.jsonl/.parquet/.arrow) except the folder's own settings (``eval.json``,
+    ``fields.json``) and the metadata files of a ``datasets.save_to_disk`` folder."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in SUPPORTED_SUFFIXES
+        and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
+        and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))
+    )
+
+
+def ignored_files(folder: Path) -> list[Path]:
+    """The files under ``folder`` the reader does not read, sorted: everything but
+    :func:`data_files`, the folder's settings, its card and license file (:data:`CARD_NAME`,
+    :data:`LICENSE_NAMES`) and a ``datasets.save_to_disk`` folder's metadata (hidden files and
+    folders are skipped). ``raw_instructions`` counts them, so a CSV or text file beside the
+    data is never silently passed over."""
+    read = set(data_files(folder))
+    documentation = {folder / name for name in (CARD_NAME, *LICENSE_NAMES)}
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p not in read
+        and p not in documentation
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and p not in (folder / EVAL_CONFIG_NAME, folder / FIELDS_CONFIG_NAME)
+        and not (p.name in HF_METADATA_NAMES and _is_hf_folder(p.parent))
+    )
+
+
+# Compressed files are not read (no reader decompresses): each suffix with the command that
+# decompresses a file of it in place, and the archives, which a user extracts into the folder.
+DECOMPRESS = {".gz": "gunzip", ".bz2": "bunzip2", ".xz": "unxz", ".zst": "unzstd --rm"}
+ARCHIVES = {".zip": "unzip", ".tgz": "tar -xzf", ".tar": "tar -xf", ".7z": "7z x"}
+
+
+def compressed_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` the reader passes over because they are compressed: a data
+    file compressed whole (``data.jsonl.gz``, ``.bz2``, ``.xz``, ``.zst``) or an archive
+    (``.zip``, ``.tgz``, ``.tar``, ``.7z``), sorted."""
+    out = []
+    for p in ignored_files(folder):
+        suffix = p.suffix.lower()
+        inner = Path(p.stem).suffix.lower()
+        if (suffix in DECOMPRESS and inner in SUPPORTED_SUFFIXES) or suffix in ARCHIVES:
+            out.append(p)
+    return out
+
+
+def compressed_note(folder: Path) -> str | None:
+    """``compressed files are not read: data.jsonl.gz; decompress them in the folder first
+    (`gunzip '<path>'`)``, naming up to three of :func:`compressed_files` and the command for
+    the first (archives: extract them into the folder); None when there is none."""
+    files = compressed_files(folder)
+    if not files:
+        return None
+    shown = ", ".join(str(p.relative_to(folder)) for p in files[:3])
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    first = files[0]
+    suffix = first.suffix.lower()
+    if suffix in ARCHIVES:
+        how = f"extract them into {folder} first (`cd {shlex.quote(str(first.parent))} && "
+        how += f"{ARCHIVES[suffix]} {shlex.quote(first.name)}`)"
+    else:
+        how = f"decompress them in place first (`{DECOMPRESS[suffix]} {shlex.quote(str(first))}`)"
+    return f"compressed files are not read: {shown}{more}; {how}"
+
+
+def not_read_warning(dataset: str, folder: Path) -> tuple[list[str], str | None]:
+    """The files of a dataset folder the reader does not read (:func:`ignored_files`, relative
+    to ``folder``; none when it is not a folder), and the warning that names them (up to five,
+    then ``...``) with :func:`compressed_note`; None when every file is read."""
+    if not folder.is_dir():
+        return [], None
+    not_read = [str(p.relative_to(folder)) for p in ignored_files(folder)]
+    if not not_read:
+        return [], None
+    compressed = compressed_note(folder)
+    return not_read, (
+        f"{dataset}: {len(not_read)} file(s) not read (not .json, .jsonl, .parquet or "
+        f".arrow): {', '.join(not_read[:5])}{' ...' if len(not_read) > 5 else ''}"
+        + (f"; {compressed}" if compressed else "")
+    )
+
+
+def _is_hf_folder(folder: Path) -> bool:
+    return any(folder.glob("*.arrow")) or (folder / "dataset_dict.json").exists()
+
+
+def read_fields(folder: Path) -> dict[str, str]:
+    """The folder's field renaming (``fields.json``), or ``{}``.
+
+    Raises:
+        DatasetFormatError: the file is not a JSON object of string -> string, or maps onto a
+            field no form reads (:data:`~cluster_pipeline.data.forms.FIELD_NAMES`).
+    """
+    path = folder / FIELDS_CONFIG_NAME
+    if not path.exists():
+        return {}
+    try:
+        fields = json_text.load(path, 'It must be one object, e.g. {"question": "instruction"}.')
+    except json_text.JsonTextError as e:
+        raise DatasetFormatError(str(e)) from None
+    if not isinstance(fields, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in fields.items()
+    ):
+        raise DatasetFormatError(
+            f"{path}: must map each of your field names to an accepted one, e.g. "
+            '{"question": "instruction", "answer": "output"}.'
+        )
+    unknown = {k: v for k, v in fields.items() if v not in FIELD_NAMES}
+    if unknown:
+        bad = ", ".join(f"{k!r} -> {v!r}" for k, v in unknown.items())
+        raise DatasetFormatError(
+            f"{path}: {bad}: no accepted form has such a field; map onto one of "
+            f"{', '.join(FIELD_NAMES)}."
+        )
+    return fields
+
+
+def read_dataset_folder(folder: Path) -> Iterator[Sample]:
+    """Yield every sample of every data file (:func:`data_files`) under ``folder``, in sorted
+    path order, after the folder's field renaming (:func:`read_fields`).
+
+    Raises:
+        DatasetFormatError: the folder holds no data file, a data file holds no record
+            (:func:`~cluster_pipeline.data.readers.empty_file_reason`), or a file or record is
+            malformed.
+    """
+    files = data_files(folder)
+    if not files:
+        note = compressed_note(folder)
+        raise DatasetFormatError(
+            f"{folder}: no {', '.join(SUPPORTED_SUFFIXES)} files found; "
+            + (f"{note}." if note else "put the dataset's files in this folder.")
+        )
+    fields = read_fields(folder)
+    for path in files:
+        # Checked first: a 0-byte Parquet file is not even readable as Parquet.
+        empty = empty_file_reason(path)
+        n = 0
+        if empty is None:
+            for line, record in iter_file_records(path):
+                yield normalise_record(record, str(path), line, fields, source_index=n)
+                n += 1
+        if n == 0:
+            raise DatasetFormatError(
+                f"{path}: holds no records ({empty or 'none read'}); remove the file or put the "
+                "dataset's records in it."
+            )

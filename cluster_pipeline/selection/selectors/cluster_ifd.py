@@ -1,0 +1,115 @@
+"""``cluster_ifd``: k-means, then the highest instruction-following difficulty within each
+cluster (arXiv 2504.12687: k-means clusters of the pool, the samples of highest IFD kept in
+each; there on Magicoder's OSS-Instruct data).
+
+IFD is ``ifd``'s (selection/selectors/ifd.py, Li et al. 2024), with its knobs and its two
+passes (the same requests, so one cached pass serves both selectors): the conditioned mean loss
+s(A | Q) and the unconditioned s(A) over the same answer tokens,
+
+    IFD(Q, A) = s(A | Q) / s(A)          nan where a loss is not finite, s(A) <= 0, or the
+                                         sample was truncated (unless ifd_truncated)
+
+Within each cluster the samples are ordered as ``ifd`` orders the pool: those with IFD <= 1 by
+IFD, highest first; then those with IFD > 1, highest first; then those without an IFD (ties
+to the lower index). Every cluster keeps the first of its order
+under the product's balanced rule (selection/selectors/base.py; docs/design.md, step 3):
+``floor(r * m)`` samples (m = min_c n_c), or, under token balance, its longest prefix within
+``B = floor(r * min_c L_c)`` tokens (at least one sample); cluster c trains on rank c with
+weight ``w_c = n_c K / N`` (``K R_c / R`` under token balance), as for ``peripheral``. The
+score is IFD.
+
+Departures from the paper: the clusters are the pipeline's (``balanced_clusters``: k-means over
+the gradient-proxy embeddings with K = the training ranks and the capacity step), not a
+clustering of its own; a cluster with fewer samples of IFD <= 1 than its budget fills it with
+the rest of its order (the paper's discard of IFD > 1 would leave the clusters unequal, and
+unequal clusters unequal ranks); and IFD is scored with the base model, as ``ifd`` does.
+
+Cost: ``ifd``'s two passes (shared with it); no backward pass. Its clusters come from the
+embedding pass (N forwards, shared with the cluster selectors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cluster_pipeline.selection.passes import PASS_EMBEDDING
+from cluster_pipeline.selection.selectors import ifd
+from cluster_pipeline.selection.selectors.base import (
+    SelectionInputs,
+    SelectionParams,
+    SelectionResult,
+    SelectorSpec,
+    cluster_tokens,
+    cluster_weights,
+    per_cluster_budget,
+    prefix_within,
+    rank_within,
+    token_budget,
+)
+
+
+def ifd_order(score: np.ndarray) -> np.ndarray:
+    """(N,) int64 each sample's place in ``ifd``'s order of the pool: IFD <= 1 by IFD highest
+    first, then IFD > 1 highest first, then no IFD (nan); ties to the lower index."""
+    score = np.asarray(score, dtype=np.float64)
+    finite = np.isfinite(score)
+    group = np.where(finite & (score <= 1.0), 0, np.where(finite, 1, 2))
+    index = np.arange(len(score))
+    order = np.lexsort((index, -np.where(finite, score, 0.0), group))
+    place = np.empty(len(score), dtype=np.int64)
+    place[order] = index
+    return place
+
+
+def cluster_ifd(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
+    """Per cluster, the first ``keep`` samples (or B tokens) of :func:`ifd_order`; weight w_c;
+    score = IFD (module docstring)."""
+    score = ifd.scores_of(inputs)
+    labels = np.asarray(inputs.labels, dtype=np.int64)
+    n, k = inputs.n, inputs.k
+    rank = rank_within(labels, ifd_order(score).astype(np.float64), k)
+    copies = np.zeros(n, dtype=np.int64)
+    if params.balance == "tokens":
+        budget = token_budget(cluster_tokens(inputs), params.r)
+        lengths = np.asarray(inputs.lengths, dtype=np.int64)
+        copies[prefix_within(labels, rank, lengths, k, budget)] = 1
+        response = np.asarray(inputs.response_tokens, dtype=np.int64)
+        weights = cluster_weights(np.bincount(labels, weights=response, minlength=k))
+        kept = int(np.bincount(labels[copies > 0], minlength=k).max())
+        return SelectionResult(
+            "cluster_ifd",
+            copies > 0,
+            copies,
+            rank,
+            weights[labels],
+            weights,
+            kept,
+            "tokens",
+            budget,
+            score=score,
+        )
+    sizes = np.bincount(labels, minlength=k)
+    keep = per_cluster_budget(sizes, params.r)
+    weights = cluster_weights(sizes)
+    copies[rank < keep] = 1
+    return SelectionResult(
+        "cluster_ifd", copies > 0, copies, rank, weights[labels], weights, keep, score=score
+    )
+
+
+SELECTORS = (
+    SelectorSpec(
+        "cluster_ifd",
+        "k-means then the highest instruction-following difficulty (ifd's IFD) within each "
+        "cluster, the clusters' budgets and weights as peripheral's",
+        cluster_ifd,
+        order=60,
+        needs=("mean_loss", "unconditioned_loss"),
+        passes=(PASS_EMBEDDING, ifd.PASS_CONDITIONED, ifd.PASS_UNCONDITIONED),
+        clustered=True,
+        reweighted=True,
+        source="arXiv 2504.12687 (k-means + per-cluster IFD); IFD: Li et al. 2024 (Cherry LLM)",
+        knobs=ifd.IfdKnobs,
+        gather=ifd.gather,
+    ),
+)
