@@ -3,27 +3,35 @@
 An export is one folder (default ``data/exports/<dataset>/``, :meth:`DataLayout.exports_dir`)::
 
     README.md                               the dataset card: the Hub's YAML header (configs,
-                                            splits and row counts, features, license) and the
-                                            selection's provenance
-    data/<split>-00000-of-00001.parquet     the Hub's Parquet layout: one config, a split each
+                                            splits and row counts, features, license, task,
+                                            size, language) and the selection's provenance
+                                            (:mod:`~cluster_pipeline.integrations.
+                                            dataset_card` builds it)
+    data/<split>/<split>-00000-of-00001.parquet
+                                            the Parquet files, one folder per split: a tool
+                                            pointed at a folder reads that split alone
+    data/dataset_info.json                  LLaMA-Factory's dataset registry for data/
+                                            (:func:`llama_factory_info`)
     dataset_dict/                           ``DatasetDict.save_to_disk`` (``load_from_disk``)
     LICENSE                                 the source's license file, where it has one
     export.json                             the marker: ``"exporter": "cluster-pipeline export"``,
-                                            what was exported (dataset, manifests, table versions)
-                                            and every file above with its SHA-256
+                                            what was exported (dataset, manifests, table versions,
+                                            the card's facts) and every file above with its
+                                            SHA-256
 
 Splits: ``rank_<c>``, rank c's shard in manifest order (the order rank c trains in), and
 ``train``, every shard entry, rank by rank: the subset as trained, a sample selected with copies
 (``uniform``) once per copy. A row is one shard entry (:data:`FEATURES`): the ``sample_id``, its
-``rank``, ``position`` and the rank's loss ``weight`` w_c, its ``cluster``, the sample as the
-``raw_instructions`` table stores it (``system``, ``prompt``, ``response``, ``messages`` and
-``tools`` as JSON text, ``form``), its ``source_file``, ``source_line`` and ``source_index``,
-and the manifest's ``manifest_sha256``; ``system`` is null where the sample has no system
-prompt. Everything is
-read at the table versions the manifests were built from. ``dataset_dict/`` and ``data/`` hold
-the same rows; ``export.json``'s hashes pin both, and :func:`verify_export` (what
-``ClusterShards.from_export`` calls before it reads ``dataset_dict/``) refuses a folder where
-either changed.
+``rank``, ``position`` and the rank's loss ``weight`` w_c, its ``cluster``, the sample (``system``,
+``prompt``, ``response`` as the ``raw_instructions`` table stores them, ``messages`` the whole
+conversation as a list of ``{role, content}``, ``tools`` the function schemas as a list and
+``tools_json`` as text, ``form``), its ``source_file`` (relative to the dataset's folder),
+``source_line`` and ``source_index``, and the manifest's ``manifest_sha256``; ``system`` is
+null where the sample has no system prompt. Everything is read at the table versions the
+manifests were built from. ``dataset_dict/`` and ``data/`` hold the same rows; ``export.json``'s
+hashes pin both, and :func:`verify_export` (what ``ClusterShards.from_export`` calls before it
+reads ``dataset_dict/``) refuses a folder where either changed. The saved splits' ``info``
+carries the card's description, the method's citation and the license.
 
 A folder is an export only if its ``export.json`` carries this exporter's marker and lists the
 files it wrote (:func:`read_export_record`). Nothing else is ever deleted: a destination holding
@@ -31,54 +39,66 @@ any other file, or a listed file changed since, is refused (:func:`check_destina
 or without ``overwrite``. The new export is written to a fresh folder beside the destination and
 swapped in with one ``renameat2(RENAME_EXCHANGE)`` (two renames where the file system lacks it);
 only then are the files the earlier export listed deleted, so an export that fails leaves the
-earlier one byte for byte as it was.
+earlier one byte for byte as it was. An export of an earlier format (2: ``messages`` as JSON
+text, every split's Parquet files in ``data/``) is replaced like any other, but not read:
+export again.
+
+This module is the export's file handling; what an export is made of (:class:`ExportSource`,
+:data:`FEATURES`, the folder's names) is :mod:`~cluster_pipeline.integrations.export_spec`'s,
+imported from here as before.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import hashlib
 import json
 import os
+import shlex
 import shutil
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from cluster_pipeline.data.datasets import SourceLicense, read_instructions, source_license
+from cluster_pipeline.data.datasets import (
+    STDLIB_DATASET,
+    SourceLicense,
+    read_instructions,
+    source_license,
+)
+from cluster_pipeline.data.stdlib_dataset import stdlib_root
+from cluster_pipeline.integrations import dataset_card
+from cluster_pipeline.integrations.dataset_card import SplitFiles
+from cluster_pipeline.integrations.export_spec import (
+    CARD,
+    DATA_DIR,
+    DATASET_DICT,
+    FEATURES,
+    LLAMA_FACTORY_INFO,
+    ExportSource,
+    hf_features,
+    split_dir,
+)
 from cluster_pipeline.selection.sharding import (
     ManifestMismatch,
     ShardManifest,
     manifests_frame,
     read_recorded_manifests,
 )
+from cluster_pipeline.storage import atomic
+from cluster_pipeline.storage.disk import (
+    DiskFull,
+    format_bytes,
+    free_bytes,
+    is_disk_full,
+    require_space,
+)
 from cluster_pipeline.storage.names import BALANCED_CLUSTERS, RAW_INSTRUCTIONS
-from cluster_pipeline.storage.tables import TableRef, markdown_table
+from cluster_pipeline.storage.provenance import code_identity, portable, rows_sha256
 
-# One row of an export: name -> (dtype of datasets.Value, what it holds).
-FEATURES: dict[str, tuple[str, str]] = {
-    "sample_id": ("string", "content hash of the sample (raw_instructions)"),
-    "rank": ("int64", "data-parallel rank whose shard holds the entry"),
-    "position": ("int64", "0-based position in that rank's shard: the order it trains in"),
-    "weight": ("float64", "the rank's loss weight w_c (docs/design.md, step 5)"),
-    "cluster": ("int64", "the sample's balanced cluster (balanced_clusters)"),
-    "system": ("string", "the system prompt; null where the sample has none"),
-    "prompt": ("string", "the normalised prompt"),
-    "response": ("string", "the normalised response"),
-    "messages": ("string", "the kept conversation as JSON, or null for one exchange"),
-    "tools": ("string", "function schemas as JSON, or null"),
-    "form": ("string", "the input form the record was read in"),
-    "source_file": ("string", "the file the record was read from"),
-    "source_line": ("int64", "its line (record number for Parquet and Arrow)"),
-    "source_index": ("int64", "0-based place among its file's records; null for python_stdlib"),
-    "manifest_sha256": ("string", "content hash of the rank's shard manifest"),
-}
 _SAMPLE_COLUMNS = [
     "sample_id",
     "system",
@@ -91,15 +111,22 @@ _SAMPLE_COLUMNS = [
     "source_line",
     "source_index",
 ]
-_POLARS = {"string": pl.String, "int64": pl.Int64, "float64": pl.Float64}
-DATASET_DICT = "dataset_dict"
-DATA_DIR = "data"
-CARD = "README.md"
+_POLARS = {
+    "string": pl.String,
+    "int64": pl.Int64,
+    "float64": pl.Float64,
+    "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+    # Each schema as JSON text; datasets stores them as its Json feature (hf_features).
+    "json_list": pl.List(pl.String),
+}
 IDENTITY = "export.json"
 # The marker that makes a folder an export: export.json's "exporter", and the version of its
-# layout ("format"; 2 lists every file with its SHA-256).
+# layout ("format"; 2 lists every file with its SHA-256; 3: a folder per split under data/,
+# messages and tools as lists, LLaMA-Factory's dataset_info.json, the card's facts).
 EXPORTER = "cluster-pipeline export"
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
+# Earlier formats of this exporter: replaced like the current one, never read.
+_REPLACEABLE_FORMATS = (2, EXPORT_FORMAT)
 # The Hub's default Parquet shard size (datasets.config.MAX_SHARD_SIZE, "500MB").
 MAX_SHARD_BYTES = 500_000_000
 # How many paths a refusal names before it counts the rest.
@@ -110,38 +137,6 @@ class ExportError(ValueError):
     """An export that cannot be made or read as asked (a destination holding something else,
     manifests gone or edited, tables out of step, an export folder damaged): the message names
     the file and says what to do."""
-
-
-@dataclass(frozen=True)
-class ExportSource:
-    """What an export is made of: the shard manifests as recorded and the facts of the
-    selection that made them, with every table at the version the manifests were built from.
-
-    ``tables``: stage -> Delta table version, in pipeline order; must hold ``raw_instructions``
-    and ``balanced_clusters`` (rows are read from them); the card lists them all.
-    ``lineage_table``: the ``sample_lineage`` version built from these manifests, or None if
-    none was. ``cluster_weights``: w_c per cluster; ``manifest_sha256`` and ``manifest_paths``
-    per rank, in rank order.
-    """
-
-    dataset: str
-    selector: str
-    ratio: float
-    selection_seed: int
-    num_clusters: int
-    alpha: float
-    cluster_weights: list[float]
-    balance: str
-    token_budget: int | None
-    pool_size: int
-    selected_samples: int
-    base_model: str
-    manifest_paths: list[str]
-    manifest_sha256: list[str]
-    manifest_set_sha256: str
-    dropped_for_equal_shards: int
-    tables: dict[str, TableRef]
-    lineage_table: TableRef | None = None
 
 
 @dataclass(frozen=True)
@@ -186,8 +181,66 @@ def read_manifests(source: ExportSource) -> list[ShardManifest]:
         raise ExportError(str(e)) from None
 
 
-def selection_rows(source: ExportSource, manifests: list[ShardManifest]) -> pl.DataFrame:
-    """Every shard entry as an export row (:data:`FEATURES`), ordered by rank then position.
+def source_folder(dataset: str, raw_dir: Path) -> Path:
+    """The folder the export's ``source_file`` paths are relative to: the dataset's folder
+    under ``raw_dir``, the standard library's folder for the built-in ``python_stdlib``."""
+    return stdlib_root() if dataset == STDLIB_DATASET else raw_dir / dataset
+
+
+def _relative_to(column: str, folder: Path) -> pl.Expr:
+    """``column`` (paths) relative to ``folder`` (given or resolved) where it lies inside it;
+    other paths as they are."""
+    expr = pl.col(column)
+    for base in dict.fromkeys((str(folder), str(folder.resolve()))):
+        prefix = f"{base.rstrip('/')}/"
+        expr = (
+            pl.when(expr.str.starts_with(prefix))
+            .then(expr.str.strip_prefix(prefix))
+            .otherwise(expr)
+        )
+    return expr.alias(column)
+
+
+def _messages() -> pl.Expr:
+    """The conversation as a list of {role, content} (:func:`~cluster_pipeline.data.formats.
+    conversation`, in polars): the stored ``messages`` JSON where there is one, else the
+    system message (if any), the user's ``prompt`` (if any) and the assistant's
+    ``response``."""
+    dtype = _POLARS["messages"]
+
+    def turn(role: str, content: pl.Expr) -> pl.Expr:
+        return pl.struct(pl.lit(role).alias("role"), content.alias("content"))
+
+    system = pl.when(pl.col("system") != "").then(pl.col("system"))
+    prompt = pl.when(pl.col("prompt") != "").then(pl.col("prompt"))
+    single = pl.concat_list(
+        turn("system", system), turn("user", prompt), turn("assistant", pl.col("response"))
+    ).list.eval(pl.element().filter(pl.element().struct.field("content").is_not_null()))
+    stored = pl.col("messages").str.json_decode(dtype)
+    return pl.when(pl.col("messages").is_not_null()).then(stored).otherwise(single).cast(dtype)
+
+
+def _sample_columns(rows: pl.DataFrame, folder: Path | None) -> pl.DataFrame:
+    """``messages`` (the conversation as a list of {role, content}), ``tools`` (each schema
+    as JSON text), ``tools_json`` and ``source_file`` (relative to ``folder``; as stored where
+    ``folder`` is None) from the stored columns (``system`` still ``""`` for none)."""
+    tools = [
+        None if t is None else [json.dumps(x, ensure_ascii=False) for x in json.loads(t)]
+        for t in rows["tools"]
+    ]
+    out = rows.with_columns(
+        _messages().alias("messages"),
+        pl.Series("tools", tools, dtype=_POLARS["json_list"]),
+        pl.col("tools").alias("tools_json"),
+    )
+    return out if folder is None else out.with_columns(_relative_to("source_file", folder))
+
+
+def selection_rows(
+    source: ExportSource, manifests: list[ShardManifest], folder: Path | None = None
+) -> pl.DataFrame:
+    """Every shard entry as an export row (:data:`FEATURES`), ordered by rank then position;
+    ``source_file`` relative to ``folder`` (:func:`source_folder`; None: as stored).
 
     Raises:
         ExportError: a sample of a shard is missing from the pinned ``raw_instructions`` or
@@ -217,8 +270,10 @@ def selection_rows(source: ExportSource, manifests: list[ShardManifest]) -> pl.D
         shards.join(samples, on="sample_id", how="left")
         .join(clusters, on="sample_id", how="left")
         .sort("rank", "position")
-        # raw_instructions stores "" for "no system prompt"; the export says null (FEATURES).
-        .with_columns(pl.when(pl.col("system") != "").then(pl.col("system")).alias("system"))
+    )
+    # raw_instructions stores "" for "no system prompt"; the export says null (FEATURES).
+    rows = _sample_columns(rows, folder).with_columns(
+        pl.when(pl.col("system") != "").then(pl.col("system")).alias("system")
     )
     return rows.select([pl.col(name).cast(_POLARS[dtype]) for name, (dtype, _) in FEATURES.items()])
 
@@ -247,7 +302,10 @@ class ExportRecord:
     """An export folder's ``export.json``, checked: the marker was this exporter's.
 
     ``files``: every file the export wrote (path relative to the folder, ``/``-separated) ->
-    its SHA-256 (hex), ``export.json`` itself excepted; ``splits``: rows per split.
+    its SHA-256 (hex), ``export.json`` itself excepted; ``splits``: rows per split;
+    ``format``: the layout's version (:data:`EXPORT_FORMAT`, or an earlier one being
+    replaced); ``selection``: the card's facts (:func:`~cluster_pipeline.integrations.
+    dataset_card.card_fields`; empty in an earlier format).
     """
 
     path: Path
@@ -256,6 +314,8 @@ class ExportRecord:
     manifest_sha256: list[str]
     splits: dict[str, int]
     files: dict[str, str]
+    format: int = EXPORT_FORMAT
+    selection: dict[str, Any] = field(default_factory=dict)
 
 
 def file_sha256(path: Path) -> str:
@@ -273,18 +333,20 @@ def _safe_relative(name: str) -> bool:
     return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
-def read_export_record(folder: Path) -> ExportRecord:
+def read_export_record(folder: Path, formats: tuple[int, ...] = (EXPORT_FORMAT,)) -> ExportRecord:
     """The checked ``export.json`` of ``folder``.
 
     An ``export.json`` is this exporter's when it is a JSON object with ``"exporter":``
-    :data:`EXPORTER`, ``"format":`` :data:`EXPORT_FORMAT` and well-typed ``dataset``,
+    :data:`EXPORTER`, a ``"format"`` among ``formats`` (default: the current
+    :data:`EXPORT_FORMAT`, what can be read) and well-typed ``dataset``,
     ``manifest_set_sha256``, ``manifest_sha256`` (list), ``splits`` (name -> rows) and ``files``
     (relative path -> SHA-256, none leaving the folder).
 
     Raises:
         ExportError: the file is missing, not JSON (names line and column), not this exporter's
-            (another tool's, or an export of an older cluster-pipeline without a file list), or
-            lacks a key; the message names the file and the key.
+            (another tool's, or an export of an older cluster-pipeline without a file list), of
+            another format (an earlier one: export again), or lacks a key; the message names
+            the file and the key.
     """
     path = folder / IDENTITY
     if not path.is_file():
@@ -299,10 +361,16 @@ def read_export_record(folder: Path) -> ExportRecord:
         ) from None
     if not isinstance(data, dict) or data.get("exporter") != EXPORTER:
         raise ExportError(f'{path} has no "exporter": "{EXPORTER}", so it is not an export')
-    if data.get("format") != EXPORT_FORMAT:
+    if data.get("format") not in formats:
+        earlier = (
+            " (written by an earlier cluster-pipeline: messages as JSON text, every split's "
+            "Parquet files in one folder); export it again"
+            if data.get("format") in _REPLACEABLE_FORMATS
+            else ""
+        )
         raise ExportError(
             f"{path} is format {data.get('format')!r}, not {EXPORT_FORMAT} (the one this "
-            "cluster-pipeline writes and reads)"
+            f"cluster-pipeline writes and reads){earlier}"
         )
     checks = {
         "dataset": lambda v: isinstance(v, str),
@@ -329,6 +397,8 @@ def read_export_record(folder: Path) -> ExportRecord:
         manifest_sha256=list(data["manifest_sha256"]),
         splits=dict(data["splits"]),
         files=dict(data["files"]),
+        format=int(data["format"]),
+        selection=dict(data.get("selection") or {}),
     )
 
 
@@ -378,7 +448,9 @@ def foreign_paths(folder: Path, record: ExportRecord) -> list[str]:
     files, dirs = _entries(folder)
     _, changed = _listed_and_unchanged(folder, record)
     ours = {IDENTITY} | (set(record.files) - set(changed))
-    ours_dirs = {"/".join(p.split("/")[:i]) for p in ours for i in range(1, p.count("/") + 1)}
+    # A folder of a listed file is the export's, whether that file changed or not.
+    listed = set(record.files)
+    ours_dirs = {"/".join(p.split("/")[:i]) for p in listed for i in range(1, p.count("/") + 1)}
     foreign_dirs = sorted(d for d in dirs if d not in ours_dirs)
     tops = [d for d in foreign_dirs if not any(d.startswith(f"{o}/") for o in foreign_dirs)]
 
@@ -414,7 +486,7 @@ def check_destination(out: Path, source: ExportSource, overwrite: bool) -> Expor
     if not any(out.iterdir()):
         return None
     try:
-        record = read_export_record(out)
+        record = read_export_record(out, _REPLACEABLE_FORMATS)
     except ExportError as e:
         tops = [
             f"{p.name}/" if p.is_dir() and not p.is_symlink() else p.name for p in out.iterdir()
@@ -467,7 +539,7 @@ def verify_export(folder: str | Path) -> ExportRecord:
     """
     folder = Path(folder)
     try:
-        record = read_export_record(folder)
+        record = read_export_record(folder, _REPLACEABLE_FORMATS)
     except ExportError as e:
         # Without a readable record the folder is not provably an export, so the advice never
         # says to delete it (it may hold the user's files; export refuses to write there too).
@@ -475,9 +547,15 @@ def verify_export(folder: str | Path) -> ExportRecord:
             f"{e}: give the folder an export wrote, or export to a new folder: "
             "`cluster-pipeline export <dataset> --out <new folder>`"
         ) from None
-    redo = f"export it again: `cluster-pipeline export <dataset> --out {folder} --overwrite`"
+    again = ["cluster-pipeline", "export", record.dataset, "--out", str(folder), "--overwrite"]
+    redo = f"export it again: `{shlex.join(again)}`"
+    if record.format != EXPORT_FORMAT:
+        raise ExportError(
+            f"{record.path} is format {record.format}, written by an earlier cluster-pipeline "
+            f"(messages as JSON text, every split's Parquet files in one folder), which this "
+            f"one does not read; {redo}"
+        )
     gone, changed = _listed_and_unchanged(folder, record)
-    redo = redo.replace("<dataset>", record.dataset)
     if gone:
         # A folder gone whole is named as the folder (its highest missing one), not file by file.
         named: list[str] = []
@@ -514,261 +592,106 @@ def _no_progress_bars(datasets: Any) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _write_splits(frames: dict[str, pl.DataFrame], tmp: Path) -> tuple[dict, list[str]]:
-    """The ``save_to_disk`` folder and the Parquet files (the Hub's shard size); returns (per
-    split: rows, bytes and Parquet files; every Parquet path), paths relative to ``tmp``."""
+def _write_splits(
+    frames: dict[str, pl.DataFrame], tmp: Path, info_fields: dict[str, str]
+) -> dict[str, SplitFiles]:
+    """The ``save_to_disk`` folder (each split's ``DatasetInfo`` with ``info_fields``:
+    description, citation, license) and the Parquet files, a folder per split (the Hub's shard
+    size); returns per split its rows, bytes and Parquet files (paths relative to ``tmp``)."""
     datasets = _datasets()
-    features = datasets.Features({n: datasets.Value(d) for n, (d, _) in FEATURES.items()})
-    info: dict[str, dict[str, Any]] = {}
-    files: list[str] = []
+    features = hf_features(datasets)
+    info: dict[str, SplitFiles] = {}
     with _no_progress_bars(datasets):
         splits = {
-            name: datasets.Dataset.from_polars(frame, features=features)
+            name: datasets.Dataset.from_polars(
+                frame,
+                info=datasets.DatasetInfo(
+                    description=info_fields["description"],
+                    citation=info_fields["citation"],
+                    license=info_fields["license"],
+                    features=features.copy(),
+                ),
+            )
             for name, frame in frames.items()
         }
         datasets.DatasetDict(list(splits.items())).save_to_disk(str(tmp / DATASET_DICT))
-        (tmp / DATA_DIR).mkdir()
         for name, ds in splits.items():
+            folder = split_dir(name)
+            (tmp / folder).mkdir(parents=True)
             nbytes = int(ds.data.nbytes)
             n = max(1, -(-nbytes // MAX_SHARD_BYTES))
             names = []
             for i in range(n):
-                rel = f"{DATA_DIR}/{name}-{i:05d}-of-{n:05d}.parquet"
+                rel = f"{folder}/{name}-{i:05d}-of-{n:05d}.parquet"
                 ds.shard(num_shards=n, index=i, contiguous=True).to_parquet(str(tmp / rel))
                 names.append(rel)
-            files += names
-            info[name] = {"rows": len(ds), "num_bytes": nbytes, "files": names}
-    return info, files
+            info[name] = SplitFiles(rows=len(ds), num_bytes=nbytes, files=names)
+    return info
 
 
-def card_header(
-    source: ExportSource,
-    splits: dict[str, dict[str, Any]],
-    license: SourceLicense | None,
-    tmp: Path,
-) -> dict[str, Any]:
-    """The card's YAML header, in the Hub's keys (``license``, ``configs`` with ``data_files``
-    per split, ``dataset_info`` with features and splits' ``num_examples``)."""
-    header: dict[str, Any] = {}
-    if license is not None:
-        header["license"] = license.license
-        if license.license_name:
-            header["license_name"] = license.license_name
-        if license.license_link:
-            header["license_link"] = license.license_link
-    header["pretty_name"] = (
-        f"{source.dataset}: {source.selector} selection, K = {source.num_clusters}"
-    )
-    header["tags"] = ["cluster-pipeline", "data-selection"]
-    header["configs"] = [
-        {
-            "config_name": "default",
-            "data_files": [{"split": name, "path": f"{DATA_DIR}/{name}-*"} for name in splits],
-        }
-    ]
-    header["dataset_info"] = {
-        "features": [{"name": n, "dtype": d} for n, (d, _) in FEATURES.items()],
-        "splits": [
-            {"name": name, "num_bytes": s["num_bytes"], "num_examples": s["rows"]}
-            for name, s in splits.items()
-        ],
-        "download_size": sum((tmp / f).stat().st_size for s in splits.values() for f in s["files"]),
-        "dataset_size": sum(s["num_bytes"] for s in splits.values()),
-    }
-    return header
-
-
-def _weights(values: list[float]) -> str:
-    return ", ".join(f"{w:.4f}" for w in values)
-
-
-def card_body(
-    source: ExportSource,
-    manifests: list[ShardManifest],
-    splits: dict[str, dict[str, Any]],
-    license: SourceLicense | None,
-) -> str:
-    """The card's Markdown: the selection's knobs and facts, the splits, the columns, the table
-    versions and manifest hashes it came from, how to load it, and the license."""
-    d, k = source.dataset, source.num_clusters
-    budget = f" (budget {source.token_budget:,} tokens per cluster)" if source.token_budget else ""
-    facts = [
-        ("selector", f"`{source.selector}`"),
-        ("ratio r", f"{source.ratio:g}"),
-        ("balance", f"{source.balance}{budget}"),
-        ("K (clusters = data-parallel ranks)", str(source.num_clusters)),
-        ("capacity alpha", f"{source.alpha:g}"),
-        (
-            "cluster weights w_c = K R_c / R (R_c: the cluster's response tokens)"
-            if source.balance == "tokens"
-            else "cluster weights w_c = n_c K / N",
-            _weights(source.cluster_weights),
-        ),
-        ("rank weights (loss multipliers)", _weights([m.weight for m in manifests])),
-        (
-            "selected",
-            f"{source.selected_samples:,} of a pool of {source.pool_size:,} training samples",
-        ),
-        ("base model (proxy embeddings)", f"`{source.base_model}`"),
-        ("selection seed, shard order seed", f"{source.selection_seed}, {manifests[0].seed}"),
-    ]
-    if source.dropped_for_equal_shards:
-        facts.append(("dropped to make shards equal", str(source.dropped_for_equal_shards)))
-    known = any(m.tokens for m in manifests)
-
-    def tokens(n: int) -> str:
-        return f"{n:,}" if known else "-"
-
-    split_rows_ = [
-        (
-            "train",
-            f"{splits['train']['rows']:,}",
-            tokens(sum(m.tokens for m in manifests)),
-            "per row",
-            f"set `{source.manifest_set_sha256}`",
-        )
-    ] + [
-        (
-            f"rank_{m.rank}",
-            f"{splits[f'rank_{m.rank}']['rows']:,}",
-            tokens(m.tokens),
-            f"{m.weight:.4f}",
-            f"`{m.sha256}`",
-        )
-        for m in manifests
-    ]
-    tables = [(stage, f"`{t.uri}`", str(t.version)) for stage, t in source.tables.items()]
-    if source.lineage_table is not None:
-        tables.append(
-            ("sample_lineage", f"`{source.lineage_table.uri}`", str(source.lineage_table.version))
-        )
-    else:
-        tables.append(("sample_lineage", "not built from these manifests", "-"))
-    if license is None:
-        license_text = (
-            f"The source declares no license (no `license:` in the front matter of "
-            f"`data/raw/{d}/README.md`, no `LICENSE` file there). Check the source's terms "
-            "before sharing this dataset."
-        )
-    else:
-        shipped = f" Its text is in `{license.file.name}` beside this card." if license.file else ""
-        license_text = (
-            f"`{license.license}`"
-            + (f" ({license.license_name})" if license.license_name else "")
-            + f", as declared by {license.declared_by}.{shipped}"
-        )
-    splits_doc = ", ".join(f"`{name}`" for name in splits)
-    title = f"{d}: the selected subset ({source.selector}, r = {source.ratio:g}, K = {k})"
-    load_rank = f'load_dataset("parquet", data_files=f"{{export}}/{DATA_DIR}/rank_0-*.parquet")'
-    return f"""# {title}
-
-The samples of dataset `{d}` that cluster_pipeline selected with CluSTER (*Clustering-Based
-Balanced Sampling and Allocation with Data Parallelism for High-Performance Fine-Tuning*, Kim et
-al.) and allocated to {k} data-parallel ranks, exported by `cluster-pipeline export {d}` from
-its shard manifests.
-
-Splits: {splits_doc}. `rank_<c>` is rank c's shard in the order rank c trains on it;
-`train` is every shard entry, rank by rank (a sample selected with copies appears once per
-copy). To train the way the pipeline does, rank c trains on `rank_<c>` in order with its loss
-multiplied by the rank's `weight` w_c: under data-parallel averaging the update is then the
-stratified estimate of the whole pool's gradient (docs/design.md, steps 4 and 5).
-
-## Selection
-
-{markdown_table(["", ""], facts)}
-
-## Splits
-
-{markdown_table(["split", "rows", "tokens", "weight", "manifest sha256"], split_rows_)}
-
-Tokens: each sample as the embedding pass encoded it (chat template included, after
-truncation), summed; `-` where the manifests do not record them.
-
-## Columns
-
-{markdown_table(["column", "type", "what"], [(f"`{n}`", t, w) for n, (t, w) in FEATURES.items()])}
-
-## Provenance
-
-Every row was read at these Delta table versions (the ones the shard manifests were built from):
-
-{markdown_table(["stage", "table", "version"], tables)}
-
-Manifest files: {", ".join(f"`{p}`" for p in source.manifest_paths)}.
-
-## Load it
-
-```python
-from datasets import load_dataset, load_from_disk
-
-export = "path/to/this/folder"
-splits = load_from_disk(f"{{export}}/{DATASET_DICT}")  # a DatasetDict: {splits_doc}
-splits = load_dataset(export)  # the same, from the Parquet files this card's header names
-rank_0 = {load_rank}["train"]  # one split's files
-```
-
-To publish it on the Hub, upload `README.md`, `data/` and the license file, if any;
-`dataset_dict/` and `export.json` serve this machine. `dataset_dict/` and `data/` hold the same
-rows, and `export.json` records the SHA-256 of every file; `ClusterShards.from_export` trains
-from `dataset_dict/` after checking them all. `system` is null where a sample has no system
-prompt.
-
-## License
-
-{license_text}
-"""
-
-
-# renameat2's flag that swaps two paths in one step (linux/fs.h); AT_FDCWD: paths as given.
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the folders at ``a`` and ``b`` in one step (Linux ``renameat2`` with
-    ``RENAME_EXCHANGE``); False where the C library or the file system lacks it.
-
-    Raises:
-        OSError: the swap was refused for another reason (permissions, a mount point).
+def llama_factory_info(dataset: str) -> dict[str, Any]:
+    """LLaMA-Factory's ``dataset_info.json`` for the export's ``data/`` folder (its
+    ``dataset_dir``): the ``train`` split (``file_name: train``, the folder of its Parquet
+    files) as ``<dataset>`` in the sharegpt form (``messages``, roles as written; a leading
+    system message is the system prompt) and as ``<dataset>_alpaca`` in the alpaca form
+    (``prompt``, ``response``, ``system``); ``tools_json`` as ``tools`` in both. The field
+    names are LLaMA-Factory's (src/llamafactory/data/parser.py ``DatasetAttr``, data/README.md).
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    tools = {"tools": "tools_json"}
+    return {
+        dataset: {
+            "file_name": "train",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", **tools},
+            "tags": {
+                "role_tag": "role",
+                "content_tag": "content",
+                "user_tag": "user",
+                "assistant_tag": "assistant",
+                "observation_tag": "tool",
+                "system_tag": "system",
+            },
+        },
+        f"{dataset}_alpaca": {
+            "file_name": "train",
+            "formatting": "alpaca",
+            "columns": {"prompt": "prompt", "response": "response", "system": "system", **tools},
+        },
+    }
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Put the folder ``tmp`` at ``out``; an earlier ``out`` ends up at ``tmp``. One atomic
-    exchange where the system has it; else ``out`` is renamed aside, ``tmp`` into place, and
-    the earlier folder renamed back if that fails."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    if _exchange(tmp, out):
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    aside.rmdir()
-    out.rename(aside)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        aside.rename(out)
-        raise
-    aside.rename(tmp)
+# Per stage, the columns a table's content hash leaves out: the vectors (identified by the
+# embedding pass's cache key, which the card's settings name; hashing them costs a pass over
+# N x d floats).
+_UNHASHED_KINDS = (pl.List, pl.Array)
+
+
+def table_hashes(source: ExportSource) -> dict[str, str]:
+    """Stage -> SHA-256 of its table version's rows (every column but vectors, sorted,
+    :func:`~cluster_pipeline.storage.provenance.rows_sha256`): what names the version off this
+    machine, where its URI means nothing."""
+    out = {}
+    for stage, ref in source.tables.items():
+        schema = pl.scan_delta(ref.uri, version=ref.version).collect_schema()
+        columns = [c for c, t in schema.items() if not isinstance(t, _UNHASHED_KINDS)]
+        frame = pl.read_delta(ref.uri, version=ref.version, columns=columns)
+        out[stage] = rows_sha256(frame, columns)
+    return out
+
+
+def _source_metadata(dataset: str, raw_dir: Path) -> dict[str, Any]:
+    """The Hub keys (:data:`~cluster_pipeline.integrations.dataset_card.CARRIED_METADATA`)
+    that the source folder's card declares in its front matter (``huggingface_hub.
+    metadata_load``); the built-in dataset's own."""
+    if dataset == STDLIB_DATASET:
+        return dict(dataset_card.STDLIB_METADATA)
+    card = raw_dir / dataset / CARD
+    if not card.is_file():
+        return {}
+    from huggingface_hub import metadata_load
+
+    meta = metadata_load(card) or {}
+    return {k: meta[k] for k in dataset_card.CARRIED_METADATA if meta.get(k) is not None}
 
 
 def _remove_listed(folder: Path, listed: list[str]) -> list[str]:
@@ -798,11 +721,7 @@ def _make_tmp(out: Path) -> Path:
     """
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        umask = os.umask(0o022)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would become the export's mode
-        return tmp
+        return atomic.temp_beside(out, folder=True)
     except OSError as e:
         why = e.strerror or str(e)
         raise ExportError(
@@ -840,36 +759,68 @@ def export_selection(
         license = source_license(source.dataset, raw_dir)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    frames = split_rows(selection_rows(source, manifests), len(manifests))
-    tmp = _make_tmp(out)
+    # What is published names no folder of this machine: paths relative to the data folder.
+    roots = {raw_dir.parent: "data", Path.home(): "~"}
+    if license is not None:
+        license = replace(license, declared_by=portable(license.declared_by, roots))
+    frames = split_rows(
+        selection_rows(source, manifests, source_folder(source.dataset, raw_dir)), len(manifests)
+    )
+    hashes = table_hashes(source)
+    metadata = _source_metadata(source.dataset, raw_dir)
+    what = f"export dataset {source.dataset!r} to --out {out}"
+    needed = int(sum(f.estimated_size() for f in frames.values()))
+    tmp = _make_tmp(out)  # first: an --out that cannot be created is named as such
     try:
-        splits, _ = _write_splits(frames, tmp)
+        # Room for dataset_dict/ at least (Arrow, uncompressed: the rows' size), before writing.
+        require_space(out.parent, needed, what)  # tmp lies beside out: the same disk
+    except DiskFull as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(str(e)) from None
+    try:
+        splits = _write_splits(frames, tmp, dataset_card.dataset_info_fields(source, license))
+        (tmp / LLAMA_FACTORY_INFO).write_text(
+            json.dumps(llama_factory_info(source.dataset), indent=2) + "\n"
+        )
         if license is not None and license.file is not None:
             shutil.copyfile(license.file, tmp / license.file.name)
-        import yaml
-
-        header = yaml.safe_dump(
-            card_header(source, splits, license, tmp), sort_keys=False, allow_unicode=True
+        parquet_bytes = sum((tmp / f).stat().st_size for s in splits.values() for f in s.files)
+        card = dataset_card.CardFacts(
+            source,
+            manifests,
+            splits,
+            license,
+            parquet_bytes,
+            table_hashes=hashes,
+            manifest_files=[portable(p, roots) for p in source.manifest_paths],
+            metadata=metadata,
+            exporter=code_identity(),
         )
-        body = card_body(source, manifests, splits, license)
-        (tmp / CARD).write_text(f"---\n{header}---\n\n{body}", encoding="utf-8")
+        (tmp / CARD).write_text(dataset_card.build_card(card), encoding="utf-8")
         written, _ = _entries(tmp)
         identity = {
             "exporter": EXPORTER,
             "format": EXPORT_FORMAT,
             **export_identity(source),
-            "splits": {n: s["rows"] for n, s in splits.items()},
+            "selection": dataset_card.card_fields(card),
+            "splits": {n: s.rows for n, s in splits.items()},
             "files": {rel: file_sha256(tmp / rel) for rel in sorted(written)},
         }
         (tmp / IDENTITY).write_text(json.dumps(identity, indent=1) + "\n")
         # The destination again, just before the swap: a file put there meanwhile is refused.
         earlier = check_destination(out, source, overwrite)
-        _swap_in(tmp, out)
+        atomic.swap_in(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
+            room = (
+                f"; the export needs at least {format_bytes(needed)} on the disk holding "
+                f"{out.parent}, {format_bytes(free_bytes(out.parent))} are free there"
+                if is_disk_full(e)
+                else ""
+            )
             raise ExportError(
-                f"writing the export to --out {out} failed ({e}); the folder is as it was. "
+                f"writing the export to --out {out} failed ({e}{room}); the folder is as it was. "
                 "Free space or fix the cause, then export again, or choose another --out"
             ) from e
         raise
@@ -879,7 +830,7 @@ def export_selection(
         left = _remove_listed(tmp, listed)
     return ExportSummary(
         out=out,
-        rows={n: s["rows"] for n, s in splits.items()},
+        rows={n: s.rows for n, s in splits.items()},
         parquet_files=sorted(f for f in identity["files"] if f.startswith(f"{DATA_DIR}/")),
         license=license,
         replaced=earlier is not None,

@@ -73,8 +73,12 @@ tokens TRL's.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shlex
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -82,7 +86,7 @@ from typing import Any
 import polars as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
 from cluster_pipeline.data.formats import conversation, sample_id
@@ -95,6 +99,17 @@ from cluster_pipeline.training.plan import plan_padded
 
 # The sample columns a shard's rows carry (as raw_instructions stores them).
 SAMPLE_COLUMNS = ["sample_id", "system", "prompt", "response", "messages", "tools"]
+
+
+def _stored_messages(frame: pl.DataFrame) -> list[str | None]:
+    """An export's ``messages`` lists as ``raw_instructions`` stores them: JSON text, or null
+    where the list is the single exchange of ``system``, ``prompt`` and ``response``
+    (:func:`~cluster_pipeline.data.formats.conversation` renders either the same)."""
+    out: list[str | None] = []
+    columns = [frame[c].to_list() for c in ("system", "prompt", "response", "messages")]
+    for s, p, r, m in zip(*columns, strict=True):
+        out.append(None if m == conversation(s, p, r, None) else json.dumps(m, ensure_ascii=False))
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,12 +127,15 @@ class RankShard:
 @dataclass(frozen=True)
 class ClusterShards:
     """The K shards of one selection (``ranks[c]`` is rank c's) and, when read from an export,
-    the samples' text (``rows``: one row per sample id, :data:`SAMPLE_COLUMNS`). ``source``
-    names where they were read, for error messages."""
+    the samples' text (``rows``: one row per sample id, :data:`SAMPLE_COLUMNS`) and the
+    card's facts (``facts``: the export's ``selection``, :func:`~cluster_pipeline.integrations.
+    dataset_card.card_fields`; from manifest files, the manifest hashes and weights alone).
+    ``source`` names where they were read, for error messages."""
 
     ranks: tuple[RankShard, ...]
     source: str
     rows: pl.DataFrame | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -159,6 +177,12 @@ class ClusterShards:
         return cls(
             tuple(RankShard(m.rank, m.weight, m.sample_ids, m.sha256) for m in read),
             source=str(paths[0].parent),
+            facts={
+                "dataset": read[0].dataset,
+                "selector": read[0].selector,
+                "manifest_sha256": [m.sha256 for m in read],
+                "rank_weights": [m.weight for m in read],
+            },
         )
 
     @classmethod
@@ -183,10 +207,8 @@ class ClusterShards:
 
         folder = Path(folder)
         record = verify_export(folder)
-        redo = (
-            f"export it again: `cluster-pipeline export {record.dataset} --out {folder} "
-            "--overwrite`"
-        )
+        again = ["cluster-pipeline", "export", record.dataset, "--out", str(folder), "--overwrite"]
+        redo = f"export it again: `{shlex.join(again)}`"
         where = folder / DATASET_DICT
         try:
             splits = datasets.load_from_disk(str(where))
@@ -211,20 +233,32 @@ class ClusterShards:
                     f"{where} split rank_{c} does not hash to the manifest {sha[:12]} that "
                     f"{record.path} records (edited?); {redo}"
                 )
-            # The export writes null for "no system prompt"; the product's text is "".
-            frame = frame.with_columns(pl.col("system").fill_null(""))
+            # The export writes null for "no system prompt" (the product's text is ""), the
+            # conversation as a list (the product keeps JSON text, null for one exchange: both
+            # render the same) and the tools' JSON text as tools_json (byte for byte).
+            frame = frame.with_columns(pl.col("system").fill_null("")).with_columns(
+                pl.Series("messages", _stored_messages(frame), dtype=pl.String),
+                pl.col("tools_json").alias("tools"),
+            )
             for row in frame.iter_rows(named=True):
-                text_id = sample_id(row["system"], row["prompt"], row["response"], row["tools"])
+                text_id = sample_id(
+                    row["system"], row["prompt"], row["response"], row["tools"], row["messages"]
+                )
                 if text_id != row["sample_id"]:
                     raise ExportError(
                         f"{where} split rank_{c}, position {row['position']}: the text of sample "
-                        f"{row['sample_id']} hashes to {text_id} (its system, prompt, response or "
-                        f"tools were edited); {redo}"
+                        f"{row['sample_id']} hashes to {text_id} (its system, prompt, response, "
+                        f"messages or tools were edited); {redo}"
                     )
             ranks.append(shard)
             frames.append(frame.select(SAMPLE_COLUMNS))
         rows = pl.concat(frames).unique("sample_id", keep="first", maintain_order=True)
-        return cls(tuple(ranks), source=str(folder), rows=rows)
+        facts = record.selection or {
+            "dataset": record.dataset,
+            "manifest_set_sha256": record.manifest_set_sha256,
+            "manifest_sha256": record.manifest_sha256,
+        }
+        return cls(tuple(ranks), source=str(folder), rows=rows, facts=dict(facts))
 
     @classmethod
     def from_data_dir(cls, dataset: str, data_dir: str | Path | None = None) -> ClusterShards:
@@ -238,8 +272,9 @@ class ClusterShards:
         folder = DataLayout.at(data_dir or default_data_dir()).exports_dir(dataset)
         if not folder.is_dir():
             raise ValueError(
-                f"no export of dataset {dataset!r} at {folder}: run `cluster-pipeline export "
-                f"{dataset}` first (it writes the shard manifests and their samples there)"
+                f"no export of dataset {dataset!r} at {folder}: run "
+                f"`{shlex.join(['cluster-pipeline', 'export', dataset])}` first (it writes the "
+                "shard manifests and their samples there)"
             )
         return cls.from_export(folder)
 
@@ -460,6 +495,10 @@ class ClusterTrainer(Trainer):
     multiplied by w_r. Use it as the trainer, or put it first among the bases of a TRL trainer:
     ``class ClusterSFTTrainer(ClusterTrainer, SFTTrainer)``.
 
+    Without a ``data_collator``, a plain ``transformers`` run collates with
+    ``DataCollatorForSeq2Seq`` (labels padded with -100), not ``Trainer``'s default, which
+    does not pad labels; a TRL trainer keeps the collator it chooses.
+
     Args:
         *args: ``Trainer``'s (or the TRL trainer's) arguments; ``train_dataset`` must be a
             ``datasets.Dataset`` with a ``sample_id`` column holding this rank's samples
@@ -486,6 +525,7 @@ class ClusterTrainer(Trainer):
     ):
         super().__init__(*args, **kwargs)
         self.shards, self.order_seed = shards, order_seed
+        self._pad_labels_by_default(kwargs.get("data_collator"))
         a = self.args
         if a.world_size != shards.world_size:
             raise ValueError(
@@ -518,6 +558,33 @@ class ClusterTrainer(Trainer):
             )
         self.shard_rank = a.process_index
         self.shard_weight = shards.ranks[self.shard_rank].weight if reweight else 1.0
+        # The selection goes to the run's trackers (report_to) and the checkpoint's config:
+        # stamped now, before any tracker's setup (at on_train_begin) reads the model's config.
+        selection = SelectionCallback(shards, rank=self.shard_rank)
+        selection.stamp(self.model)
+        self.add_callback(selection)
+
+    def _pad_labels_by_default(self, given: Any) -> None:
+        """Where no collator was given and the trainer fell back on ``transformers.Trainer``'s
+        own (``DataCollatorWithPadding``, which pads ``input_ids`` but not ``labels``, so a
+        micro-batch of samples of unequal length fails with "Unable to create tensor"), collate
+        with ``DataCollatorForSeq2Seq`` instead: ``input_ids`` padded by the tokenizer,
+        ``labels`` with -100 (no target). A collator given, or one a TRL trainer chose, is kept.
+        """
+        from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
+        from transformers.data.data_collator import default_data_collator
+
+        if given is not None:
+            return
+        fallback = self.data_collator
+        if not isinstance(fallback, DataCollatorWithPadding) and fallback is not (
+            default_data_collator
+        ):
+            return
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        if tokenizer is None or not hasattr(tokenizer, "pad"):
+            return  # no tokenizer to pad with: the user gives a collator
+        self.data_collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
     def _pad_token_id(self) -> int:
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)
@@ -620,3 +687,95 @@ class ClusterTrainer(Trainer):
             loss, outputs = out
             return loss * self.shard_weight, outputs
         return out * self.shard_weight
+
+
+# The prefix of the selection's keys in a model's config and a tracker's params.
+SELECTION_PREFIX = "cluster_selection."
+
+
+class SelectionCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that reports the selection a run trains on (the
+    export's card facts: dataset, selector, ratio, K, alpha, weights, seeds, the manifest
+    hashes, base model, code commit; this rank's weight and manifest) to whatever trackers the
+    run's ``report_to`` names, and into the fine-tuned checkpoint's ``config.json``.
+
+    How: at ``on_init_end`` (before any tracker's setup, which the trackers do at
+    ``on_train_begin``) it sets them on the model's config as ``cluster_selection.<key>``
+    attributes (lists as JSON text). Every ``transformers`` integration that logs the model's
+    config then logs them: MLflow and SwanLab as params, W&B, Trackio and Comet as config,
+    TensorBoard as the ``model_config`` text, Neptune and ClearML as the model's
+    configuration; ``save_pretrained`` writes them to ``config.json``. Under MLflow (an active
+    run at ``on_train_begin``, rank 0) it also logs the selection as the run's dataset input
+    (``mlflow.data``, digest: the manifest set hash's first 32 digits, MLflow's limit being
+    36) and tags ``cluster_selection.manifest_set_sha256``. :class:`ClusterTrainer` adds it
+    itself; with another trainer, pass ``callbacks=[SelectionCallback.from_export(folder)]``
+    (added later with ``add_callback``, it runs after the trackers' setup).
+
+    Args:
+        shards: the shards of the selection (their ``facts``).
+        rank: this process's rank (None: the run trains on the whole selection).
+    """
+
+    def __init__(self, shards: ClusterShards, rank: int | None = None):
+        self.shards, self.rank = shards, rank
+
+    @classmethod
+    def from_export(cls, folder: str | Path, rank: int | None = None) -> SelectionCallback:
+        """The callback of an export (:meth:`ClusterShards.from_export`, checked as it checks).
+
+        Raises:
+            ValueError (``ExportError``): ``folder`` is not a readable export.
+        """
+        return cls(ClusterShards.from_export(folder), rank)
+
+    def values(self) -> dict[str, str | int | float | bool | None]:
+        """The selection's facts as scalars, by key without the prefix (lists and mappings as
+        JSON text)."""
+        facts = dict(self.shards.facts)
+        if self.rank is not None:
+            shard = self.shards.ranks[self.rank]
+            facts.update(rank=self.rank, rank_weight=shard.weight, rank_manifest=shard.sha256)
+        return {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in facts.items()}
+
+    def stamp(self, model: Any) -> None:
+        """Set the facts on ``model``'s config (a model without one is left as it is)."""
+        config = getattr(model, "config", None)
+        if config is None:
+            return
+        for key, value in self.values().items():
+            setattr(config, f"{SELECTION_PREFIX}{key}", value)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        """Stamp the model's config before the trackers read it."""
+        self.stamp(model)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Under an active MLflow run (``report_to`` mlflow), rank 0 logs the selection as the
+        run's training dataset and tags it with the manifest set hash."""
+        if not state.is_world_process_zero or "mlflow" not in (args.report_to or []):
+            return
+        import mlflow
+
+        if mlflow.active_run() is None:
+            return
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+
+        facts = self.shards.facts
+        digest = str(facts.get("manifest_set_sha256") or "")
+        if not digest:  # manifest files alone: the ranks' manifest hashes name the selection
+            digest = hashlib.sha256("".join(r.sha256 for r in self.shards.ranks).encode())
+            digest = digest.hexdigest()
+        with warnings.catch_warnings():
+            # MLflow registers its local-files source twice (URI schemes "" and "file", the
+            # same class) and warns that a path "can be interpreted in multiple ways" for
+            # every local path: nothing the user can act on.
+            warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")
+            source = resolve_dataset_source(str(Path(self.shards.source).absolute()))
+        dataset = MetaDataset(
+            source=source,
+            name=f"{facts.get('dataset', 'selection')} selection ({facts.get('selector', '?')})",
+            digest=digest[:32],
+        )
+        mlflow.log_input(dataset, context="training")
+        mlflow.set_tags({f"{SELECTION_PREFIX}manifest_set_sha256": digest})

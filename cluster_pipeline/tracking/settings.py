@@ -1,4 +1,4 @@
-"""The tracking settings checked before any MLflow call (README, "Experiment tracking").
+"""The tracking settings checked before any MLflow call (docs/guide/tracking.md, "Settings").
 
 ::
 
@@ -42,9 +42,9 @@ OFF_VALUES = ("off", "0", "false", "no")
 
 # The schemes of MLflow 3.17's tracking stores (mlflow.tracking._tracking_service.utils
 # ._tracking_store_registry; a test keeps the two alike), less "" and "file": the file store,
-# which has a rule of its own. A database scheme may name its driver: postgresql+psycopg2.
+# which has a rule of its own, and Unity Catalog's "databricks-uc" and "uc" (a model registry,
+# not a tracking store). A database scheme may name its driver: postgresql+psycopg2.
 SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks")
-MLFLOW_ONLY_SCHEMES = ("databricks-uc", "uc")  # Unity Catalog: model registry, not tracking
 # The scheme and slashes before a SQLite database path (three: relative, four: absolute).
 SQLITE_PREFIX = "sqlite:///"
 _LOCAL_EXAMPLE = "sqlite:////absolute/path/mlflow.db"

@@ -65,6 +65,17 @@ TAG_PARTITION = "dagster_partition"
 TAG_ASSET = "dagster_asset"
 TAG_CHECKPOINT = "checkpoint_folder"
 TAG_SELECTOR = "selector"
+# What a run is: "pipeline" for the parent run of a Dagster run, whose children are the stages'.
+TAG_RUN_KIND = "cluster_pipeline.run"
+PIPELINE_RUN = "pipeline"
+# MLflow's own tag keys (mlflow.utils.mlflow_tags): the parent of a nested run, and the source
+# the UI shows (name, type, git commit).
+TAG_PARENT = "mlflow.parentRunId"
+TAG_SOURCE_NAME = "mlflow.source.name"
+TAG_SOURCE_TYPE = "mlflow.source.type"
+TAG_GIT_COMMIT = "mlflow.source.git.commit"
+# MLflow's limit on a dataset digest (mlflow.utils.validation MAX_DATASET_DIGEST_SIZE).
+DIGEST_CHARS = 36
 
 # MLflow's limits (mlflow/utils/validation.py): entries per log_batch, characters per value.
 _PARAMS_PER_BATCH = 100
@@ -239,12 +250,15 @@ class Tracker:
         name: str,
         tags: Mapping[str, Any],
         params: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
     ) -> str | None:
-        """Open a run named ``name`` in the experiment, with ``tags`` and ``params``.
+        """Open a run named ``name`` in the experiment, with ``tags`` and ``params``; a child
+        of ``parent_run_id`` (MLflow's ``mlflow.parentRunId`` tag: the UI nests it) if given.
 
         Returns:
             The MLflow run id, or None when tracking is off.
         """
+        tags = {**tags, **({TAG_PARENT: parent_run_id} if parent_run_id else {})}
 
         def create(client) -> str:
             run = client.create_run(self._experiment(client), run_name=name, tags=self._tags(tags))
@@ -254,6 +268,53 @@ class Tracker:
         if params:
             self.log_params(run_id, params)
         return run_id
+
+    def pipeline_run(
+        self, name: str, key: Mapping[str, Any], tags: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """The parent run of one pipeline run (a Dagster run, named by the ``key`` tags, which
+        hold its run id): the run of the experiment carrying ``key`` and
+        ``cluster_pipeline.run: pipeline``, opened now (named ``name``, with ``tags`` besides)
+        if there is none yet. Each stage's step finds it again; its status follows its
+        children's (:meth:`ending`).
+
+        Returns:
+            The MLflow run id, or None when tracking is off.
+        """
+        key = {**key, TAG_RUN_KIND: PIPELINE_RUN}
+        found = self.find_run(key)
+        if found is not None:
+            self.set_status(found, "RUNNING")
+            return found
+        return self.start_run(name, {**(tags or {}), **key})
+
+    def set_status(self, run_id: str | None, status: str) -> None:
+        """Set the run's status (``RUNNING`` again, ``FINISHED``, ``FAILED``, ``KILLED``): a
+        pipeline run follows its latest child."""
+        self._on_run(
+            run_id, f"setting the status {status}", lambda c, r: c.update_run(r, status=status)
+        )
+
+    def log_inputs(self, run_id: str | None, datasets: Callable[[], list[tuple[Any, str]]]) -> None:
+        """Log the ``(dataset, context)`` pairs that ``datasets()`` builds (``mlflow.data``
+        datasets; ``context``, MLflow's ``mlflow.data.context`` tag: ``training``, ``pool``,
+        ``evaluation``) as the run's dataset inputs, as ``mlflow.log_input`` does for the
+        active run. ``datasets`` is called only when tracking is on (building one imports
+        MLflow and reads a table), and guarded like every call."""
+
+        def log(client, run: str) -> None:
+            from mlflow.entities import DatasetInput, InputTag
+            from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+            client.log_inputs(
+                run,
+                [
+                    DatasetInput(d._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, ctx)])
+                    for d, ctx in datasets()
+                ],
+            )
+
+        self._on_run(run_id, "logging dataset inputs", log)
 
     def find_run(self, tags: Mapping[str, Any]) -> str | None:
         """The newest run of the experiment that carries every one of ``tags`` (None: none, or
@@ -373,16 +434,20 @@ class Tracker:
         )
 
     @contextlib.contextmanager
-    def ending(self, run_id: str | None) -> Iterator[str | None]:
+    def ending(self, run_id: str | None, parent: str | None = None) -> Iterator[str | None]:
         """Yield ``run_id``; then end the run ``FINISHED``, or ``FAILED`` if the block raised an
         error, ``KILLED`` if it was interrupted (KeyboardInterrupt, a terminated Dagster run:
-        exceptions that are not ``Exception``); the exception goes on."""
+        exceptions that are not ``Exception``); the exception goes on. The ``parent`` run (a
+        pipeline run) takes the same status: it follows its latest child."""
         try:
             yield run_id
         except BaseException as e:
-            self.end_run(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+            status = "FAILED" if isinstance(e, Exception) else "KILLED"
+            self.end_run(run_id, status)
+            self.set_status(parent, status)
             raise
         self.end_run(run_id)
+        self.set_status(parent, "FINISHED")
 
     def apply_limits(self) -> None:
         """Set this tracker's HTTP limits for the process: MLflow reads

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from cluster_pipeline.data.datasets import build_instruction_table, load_samples
-from cluster_pipeline.integrations import hf_datasets
+from cluster_pipeline.defs.configs import repeatable_config
+from cluster_pipeline.integrations import dataset_card
 from cluster_pipeline.integrations.hf_datasets import (
     ExportError,
     ExportSource,
@@ -28,6 +30,7 @@ from cluster_pipeline.integrations.hf_datasets import (
     verify_export,
 )
 from cluster_pipeline.selection.sharding import ShardManifest, content_sha256, manifests_frame
+from cluster_pipeline.storage import atomic
 from cluster_pipeline.storage.layout import default_data_dir
 from cluster_pipeline.storage.tables import write_table
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
@@ -46,13 +49,18 @@ def _card(out: Path) -> tuple[dict, str]:
 
 
 def _parquet(out: Path, split: str, cache: Path):
-    files = sorted(str(p) for p in (out / "data").glob(f"{split}-*.parquet"))
-    return datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(cache))
+    """The split's Parquet files as a tool reads them: every file of its folder."""
+    folder = out / "data" / split
+    return datasets.load_dataset(
+        "parquet", data_dir=str(folder), split="train", cache_dir=str(cache)
+    )
 
 
-def _source_line(row: dict) -> dict:
-    """The record at the row's source file and line, read from the file itself."""
-    line = Path(row["source_file"]).read_text().splitlines()[row["source_line"] - 1]
+def _source_line(row: dict, folder: Path) -> dict:
+    """The record at the row's source file (relative to the dataset's ``folder``) and line,
+    read from the file itself."""
+    assert not Path(row["source_file"]).is_absolute()
+    line = (folder / row["source_file"]).read_text().splitlines()[row["source_line"] - 1]
     return json.loads(line)
 
 
@@ -77,11 +85,16 @@ def _assert_reads_back(out: Path, manifests: list[ShardManifest], cache: Path) -
         assert ds["sample_id"] == whole
     assert counts["train"] == len(whole)
     assert on_disk["train"].to_list() == _parquet(out, "train", cache).to_list()
-    # Every split the configs name has its files, and nothing else is in data/.
+    # Every split the configs name has its own folder of files, and data/ holds nothing else
+    # but LLaMA-Factory's dataset_info.json.
     named = {f["split"]: f["path"] for f in header["configs"][0]["data_files"]}
     assert list(named) == list(counts)
+    assert named == {split: f"data/{split}/*.parquet" for split in counts}
     assert sorted(p for s in named.values() for p in out.glob(s)) == sorted(
-        (out / "data").iterdir()
+        p for p in (out / "data").rglob("*") if p.is_file() and p.name != "dataset_info.json"
+    )
+    assert sorted(p.name for p in (out / "data").iterdir()) == sorted(
+        [*counts, "dataset_info.json"]
     )
     return header
 
@@ -148,19 +161,186 @@ def test_hand_made_manifests_read_back_equal_with_source_lines_and_clusters(tmp_
     assert "license" not in header
     train = datasets.load_from_disk(str(out / "dataset_dict"))["train"]
     for row in train:
-        record = _source_line(row)
+        record = _source_line(row, tmp_path / "data" / "raw" / "hand")
         assert row["response"] == record["output"] and record["instruction"] in row["prompt"]
         assert row["cluster"] == row["rank"]  # clusters alternate, rank c holds cluster c
         # JSON Lines without blank lines: record i (0-based) is on line i + 1.
         assert row["source_index"] == row["source_line"] - 1
     _, body = _card(out)
     assert "The source declares no license" in body
-    assert "| rank_0 | 7 | 0 | 1.2500 |" in body and "| rank_1 | 6 | 10 | 0.7500 |" in body
+    assert "| rank_0 | `data/rank_0/` | 7 | 0 | 1.2500 |" in body
+    assert "| rank_1 | `data/rank_1/` | 6 | 10 | 0.7500 |" in body
     # Sample balance: the weights' formula is the published n_c K / N.
     assert "| cluster weights w_c = n_c K / N | 1.2500, 0.7500 |" in body
     assert "R_c" not in body
     identity = json.loads((out / "export.json").read_text())
     assert identity["splits"] == {"train": 13, "rank_0": 7, "rank_1": 6}
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Météo of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": '{"city": "P"}'}}
+        ],
+    },
+    {"role": "tool", "content": "18 C"},
+    {"role": "assistant", "content": "It is 18 C."},
+]
+
+
+def _chats(tmp_path: Path) -> tuple[ExportSource, Path]:
+    """A dataset of an OpenAI chat with a tool call and schemas, a two-turn chat and two
+    Alpaca records, every sample on one rank; a card declaring its language and a license
+    file in its folder. Returns the source and the raw folder."""
+    raw_dir = tmp_path / "data" / "raw"
+    folder = raw_dir / "chats"
+    two_turns = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": "5"},
+    ]
+    write_jsonl(
+        folder / "chats.jsonl",
+        [{"messages": CHAT, "tools": TOOLS}, {"messages": two_turns}, *tiny_records(2)],
+    )
+    (folder / "README.md").write_text("---\nlanguage:\n- en\n- fr\n---\n# chats\n")
+    (folder / "LICENSE").write_text("Do what you like.\n")
+    frame, _ = build_instruction_table(load_samples("chats", raw_dir), 0.0, None, None, seed=0)
+    tables = tmp_path / "data" / "tables"
+    raw = write_table(frame, tables / "raw_instructions")
+    ids = frame["sample_id"].to_list()
+    clusters = write_table(
+        pl.DataFrame({"sample_id": ids, "cluster": [0] * len(ids)}), tables / "balanced_clusters"
+    )
+    manifest = ShardManifest("chats", 0, 1, "full", 1.0, 0, tuple(ids))
+    path = manifest.write(tmp_path / "data" / "shards" / "chats" / "set")
+    source = ExportSource(
+        dataset="chats",
+        selector="full",
+        ratio=1.0,
+        selection_seed=0,
+        num_clusters=1,
+        alpha=1.5,
+        cluster_weights=[1.0],
+        balance="samples",
+        token_budget=None,
+        pool_size=len(ids),
+        selected_samples=len(ids),
+        base_model=str(tmp_path / "models" / "tiny"),
+        manifest_paths=[str(path)],
+        manifest_sha256=[manifest.sha256],
+        manifest_set_sha256="c" * 64,
+        dropped_for_equal_shards=0,
+        tables={"raw_instructions": raw, "balanced_clusters": clusters},
+    )
+    return source, raw_dir
+
+
+def test_rows_carry_the_conversation_as_messages_and_the_tools_as_schemas(tmp_path):
+    from cluster_pipeline.integrations.hf_trainer import ClusterShards
+
+    source, raw_dir = _chats(tmp_path)
+    out = tmp_path / "export"
+    export_selection(source, out, raw_dir)
+    for ds in (
+        datasets.load_from_disk(str(out / "dataset_dict"))["train"],
+        datasets.load_dataset(str(out), cache_dir=str(tmp_path / "cache"))["train"],
+    ):
+        assert ds.features["messages"] == datasets.List(
+            {"role": datasets.Value("string"), "content": datasets.Value("string")}
+        )
+        rows = {r["form"]: r for r in ds.to_list()}
+        chat = next(r for r in ds.to_list() if r["tools"] is not None)
+        # The whole conversation, as the source wrote it: its roles, and every turn's text but
+        # the tool call's (trained as the call's JSON).
+        assert [m["role"] for m in chat["messages"]] == [m["role"] for m in CHAT]
+        for got, wrote in zip(chat["messages"], CHAT, strict=True):
+            if not wrote.get("tool_calls"):
+                assert got["content"] == wrote["content"]
+        # The call as the reader trains it: {"name", "arguments"} (arguments parsed).
+        call = json.loads(chat["messages"][2]["content"])
+        assert call == {"name": "weather", "arguments": {"city": "P"}}
+        assert chat["system"] == "Be brief." and chat["response"] == "It is 18 C."
+        # The schemas as a list of objects, and as the same JSON text.
+        assert chat["tools"] == TOOLS and json.loads(chat["tools_json"]) == TOOLS
+        # One exchange: system (none here), user, assistant.
+        alpaca = rows["alpaca"]
+        assert alpaca["messages"] == [
+            {"role": "user", "content": alpaca["prompt"]},
+            {"role": "assistant", "content": alpaca["response"]},
+        ]
+        assert alpaca["tools"] is None and alpaca["tools_json"] is None
+        # The source file relative to the dataset's folder.
+        assert {r["source_file"] for r in ds.to_list()} == {"chats.jsonl"}
+    # What trains reads the same text back: every row's text hashes to its sample_id (the
+    # tools' JSON byte for byte), and the conversation renders as the product renders it.
+    shards = ClusterShards.from_export(out)
+    assert shards.rows is not None
+    stored = pl.read_delta(source.tables["raw_instructions"].uri)
+    assert sorted(shards.rows.rows()) == sorted(stored.select(shards.rows.columns).rows())
+
+
+def test_nothing_of_this_machine_is_in_the_card_or_the_info(tmp_path):
+    source, raw_dir = _chats(tmp_path)
+    out = tmp_path / "export"
+    export_selection(source, out, raw_dir)
+    card = (out / "README.md").read_text()
+    splits = datasets.load_from_disk(str(out / "dataset_dict"))
+    published = [
+        card,
+        *(f"{s.info.description} {s.info.citation} {s.info.license}" for s in splits.values()),
+    ]
+    machine = [str(tmp_path), str(tmp_path.resolve()), str(Path.home()), "/tmp/", str(raw_dir)]
+    for text in published:
+        for path in machine:
+            assert path not in text, path
+    # The license's declaration and the manifest files, named from the data folder.
+    assert "as declared by the license file data/raw/chats/LICENSE." in card
+    assert "`data/shards/chats/set/rank_0.json`" in card
+    # ds.info says what it is, with the method's citation and the license.
+    info = splits["train"].info
+    assert info.description.startswith("The samples of dataset 'chats' selected with CluSTER")
+    assert "author = {Kim and others}" in info.citation
+    assert info.license == "other (chats-license)"
+    # The source's card gave the language; the Hub's header keys are all there.
+    header, _ = _card(out)
+    assert header["language"] == ["en", "fr"]
+    assert header["task_categories"] == ["text-generation"]
+    assert header["size_categories"] == ["n<1K"]
+
+
+def test_an_earlier_format_is_replaced_but_not_read(tmp_path):
+    from cluster_pipeline.integrations.hf_trainer import ClusterShards
+
+    source, raw_dir = _chats(tmp_path)
+    out = tmp_path / "export"
+    export_selection(source, out, raw_dir)
+    identity = json.loads((out / "export.json").read_text())
+    (out / "export.json").write_text(json.dumps({**identity, "format": 2}))
+    with pytest.raises(ExportError) as e:
+        ClusterShards.from_export(out)
+    assert str(e.value) == (
+        f"{out / 'export.json'} is format 2, written by an earlier cluster-pipeline (messages "
+        "as JSON text, every split's Parquet files in one folder), which this one does not "
+        f"read; export it again: `cluster-pipeline export chats --out {out} --overwrite`"
+    )
+    assert export_selection(source, out, raw_dir).replaced  # the same manifests
+    assert ClusterShards.from_export(out).world_size == 1
 
 
 def test_an_existing_export_is_replaced_only_when_it_is_the_same_or_overwrite_is_given(tmp_path):
@@ -223,7 +403,7 @@ NOT_OURS = (
         ),
         (
             '{"exporter": "cluster-pipeline export", "format": 1}',
-            "is format 1, not 2 (the one this cluster-pipeline writes and reads)",
+            "is format 1, not 3 (the one this cluster-pipeline writes and reads)",
         ),
     ],
 )
@@ -314,15 +494,16 @@ def test_an_export_whose_own_files_changed_is_replaced_only_with_overwrite(tmp_p
     pristine = _snapshot(out)
     with (out / "README.md").open("a") as f:
         f.write("my note\n")
-    parquet = out / "data" / "rank_0-00000-of-00001.parquet"
-    pl.read_parquet(parquet).slice(1).write_parquet(parquet)
+    parquet = out / "data" / "rank_0" / "rank_0-00000-of-00001.parquet"
+    pq.write_table(pq.read_table(parquet).slice(1), parquet)
     edited = _snapshot(out)
     with pytest.raises(ExportError) as e:
         export_selection(a, out, raw)
     assert str(e.value) == (
         f"--out {out} holds an export, 2 of whose own files changed since it wrote them: "
-        "README.md, data/rank_0-00000-of-00001.parquet. Pass --overwrite to replace them with "
-        "a fresh export (nothing else in the folder is touched), or copy them elsewhere first"
+        "README.md, data/rank_0/rank_0-00000-of-00001.parquet. Pass --overwrite to replace them "
+        "with a fresh export (nothing else in the folder is touched), or copy them elsewhere "
+        "first"
     )
     assert _snapshot(out) == edited
     export_selection(a, out, raw, overwrite=True)
@@ -343,13 +524,13 @@ def test_replacing_an_export_deletes_only_the_files_it_listed(tmp_path, monkeypa
         assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == sha
     # A file that appears in the earlier export after the last check (a race) is left, in the
     # folder the earlier export was swapped out to, and the summary says where.
-    swap = hf_datasets._swap_in
+    swap = atomic.swap_in
 
     def late_file(tmp: Path, dest: Path) -> None:
         (dest / "late.txt").write_text("late")
         swap(tmp, dest)
 
-    monkeypatch.setattr(hf_datasets, "_swap_in", late_file)
+    monkeypatch.setattr(atomic, "swap_in", late_file)
     summary = export_selection(b, out, raw, overwrite=True)
     assert summary.replaced and summary.left_behind is not None
     assert _snapshot(summary.left_behind) == {"late.txt": b"late"}
@@ -357,9 +538,9 @@ def test_replacing_an_export_deletes_only_the_files_it_listed(tmp_path, monkeypa
         ".export.tmp-"
     )
     _assert_reads_back(out, manifests_b, tmp_path / "cache")
-    monkeypatch.setattr(hf_datasets, "_swap_in", swap)
+    monkeypatch.setattr(atomic, "swap_in", swap)
     # Without renameat2's exchange (another file system): two renames, the same outcome.
-    monkeypatch.setattr(hf_datasets, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
     again = export_selection(a, out, raw, overwrite=True)
     assert again.replaced and again.left_behind is None
     _assert_reads_back(out, _hand_made(tmp_path / "c", order=1)[1], tmp_path / "cache")
@@ -419,13 +600,13 @@ def test_a_failed_export_leaves_the_earlier_one_intact(tmp_path, monkeypatch):
     # The card is written after the splits: the failure strikes a half-written export; then
     # the swap itself fails, with and without renameat2's exchange.
     for target, name in (
-        (hf_datasets, "card_body"),
-        (hf_datasets, "_exchange"),
+        (dataset_card, "build_card"),
+        (atomic, "exchange"),
         (Path, "rename"),
     ):
         with monkeypatch.context() as m:
             if name == "rename":
-                m.setattr(hf_datasets, "_exchange", lambda a, b: False)
+                m.setattr(atomic, "exchange", lambda a, b: False)
                 real = Path.rename
 
                 def rename(self, dest, real=real):
@@ -571,11 +752,18 @@ def test_the_export_reads_back_equal_to_the_shard_manifests(
     raw = pl.read_delta(str(raw_meta["table_uri"]), version=int(raw_meta["table_version"]))
     by_id = {r["sample_id"]: r for r in raw.iter_rows(named=True)}
     train = datasets.load_from_disk(str(out / "dataset_dict"))["train"].to_list()
+    folder = selected / "data" / "raw" / "tiny"
     for row in train:
         stored = by_id[row["sample_id"]]
-        for column in ("source_file", "source_line", "prompt", "response", "messages"):
+        for column in ("source_line", "prompt", "response"):
             assert row[column] == stored[column]
-        assert _source_line(row)["output"] == row["response"]
+        # The source file relative to the dataset's folder (stored: the path read).
+        assert folder / row["source_file"] == Path(stored["source_file"])
+        assert _source_line(row, folder)["output"] == row["response"]
+        assert row["messages"] == [
+            {"role": "user", "content": stored["prompt"]},
+            {"role": "assistant", "content": stored["response"]},
+        ]
     # The card and the license file are not samples.
     assert raw_meta["records_read"] == 60 and raw_meta["files_not_read"] == []
 
@@ -584,20 +772,63 @@ def test_the_export_reads_back_equal_to_the_shard_manifests(
     weights = ", ".join(f"{w:.4f}" for w in subsets["cluster_weights"])
     # The product's default balance is by tokens: the label gives that formula, not n_c K / N.
     assert subsets["balance"] == "tokens"
+    from cluster_pipeline.storage.provenance import file_sha256, rows_sha256
+
+    # The content hash of a table version, computed here from the version's rows.
+    shard_rows = pl.read_delta(str(shards["table_uri"]), version=int(shards["table_version"]))
+    shards_sha = rows_sha256(shard_rows, shard_rows.columns)
+    weights_sha = {
+        p.name: file_sha256(p) for p in tiny_model_dir.iterdir() if p.suffix == ".safetensors"
+    }
+    (weights_file, weights_hash), *_ = weights_sha.items()
+    embed, raw_config = records["proxy_embeddings"], raw_meta["config"]
     for line in (
         f"| selector | `{subsets['selector']}` |",
         f"| ratio r | {subsets['ratio']:g} |",
         f"| K (clusters = data-parallel ranks) | {clusters['num_clusters']} |",
         f"| cluster weights w_c = K R_c / R (R_c: the cluster's response tokens) | {weights} |",
-        f"| base model (proxy embeddings) | `{tiny_model_dir}` |",
-        f"| raw_instructions | `{raw_meta['table_uri']}` | {raw_meta['table_version']} |",
-        f"| shard_manifests | `{shards['table_uri']}` | {shards['table_version']} |",
-        f"| sample_lineage | `{records['sample_lineage']['table_uri']}` | "
-        f"{records['sample_lineage']['table_version']} |",
+        # The base model: a local folder, named by its weights' hashes, not its path.
+        f"`{tiny_model_dir.name}` (a local folder): `{weights_file}` sha256 `{weights_hash}`",
+        f"| raw_instructions | {raw_meta['table_version']} | `",
+        f"| shard_manifests | {shards['table_version']} | `{shards_sha}` |",
+        f"| sample_lineage | {records['sample_lineage']['table_version']} | - |",
         *(f"| {m.weight:.4f} | `{m.sha256}` |" for m in manifests),
-        "`cc-by-4.0`, as declared by the front matter of",
+        "`cc-by-4.0`, as declared by the front matter of data/raw/tiny/README.md.",
+        # The source file by its hash, and the pool's draw with its settings.
+        f"| `samples.jsonl` | `{file_sha256(folder / 'samples.jsonl')}` |",
+        f"`heldout_fraction: {raw_config['heldout_fraction']}`",
+        f"60 records read, 0 duplicates dropped; a held-out split of "
+        f"{raw_meta['heldout_samples']} samples",
+        # Every stage's settings as its config recorded them, what it did, the code.
+        f"| `max_length` | `{embed['config']['max_length']}` |",
+        f"| `truncation` | `{embed['config']['truncation']}` |",
+        "| samples cut by truncation (by where) | "
+        + (f"`{json.dumps(embed['truncated'])}` |" if embed["truncated"] else "none |"),
+        f"| `restarts` | `{clusters['config']['restarts']}` |",
+        f"| `niter` | `{clusters['config']['niter']}` |",
+        f"| k-means inertia (best restart) | `{clusters['kmeans_inertia']}` |",
+        f"git commit {raw_meta['code']['git_commit']}",
     ):
         assert line in body, line
+    # The run config of the five stages, as each recorded its config.
+    config = yaml.safe_load(body.split("```yaml\n", 1)[1].split("```", 1)[0])
+    stages = ["raw_instructions", "proxy_embeddings", "balanced_clusters"]
+    stages += ["peripheral_subsets", "shard_manifests"]
+    # (peripheral_subsets with the knobs its selector reads: the run checks refuse others.)
+    assert config == {
+        "ops": {s: {"config": repeatable_config(s, records[s]["config"])} for s in stages}
+    }
+    assert config["ops"]["peripheral_subsets"]["config"] == {
+        k: records["peripheral_subsets"]["config"][k]
+        for k in ("balance", "ratio", "seed", "selector")
+    }
+    # Nothing of this machine in what is published.
+    infos = datasets.load_from_disk(str(out / "dataset_dict"))
+    published = [(out / "README.md").read_text()]
+    published += [f"{d.info.description}{d.info.citation}{d.info.license}" for d in infos.values()]
+    for text in published:
+        for path in (str(selected), str(tmp_path), str(tiny_model_dir), str(Path.home())):
+            assert path not in text
 
     # The source changes under the export (two records first: every line moves down two) and
     # raw_instructions runs again; the export still reads the version the manifests came from.
@@ -613,7 +844,7 @@ def test_the_export_reads_back_equal_to_the_shard_manifests(
     again = selected / "again"
     _export(selected, "tiny", "--out", str(again), monkeypatch=monkeypatch, capsys=capsys)
     assert datasets.load_from_disk(str(again / "dataset_dict"))["train"].to_list() == train
-    assert f"| raw_instructions | `{raw_meta['table_uri']}` | 0 |" in _card(again)[1]
+    assert "| raw_instructions | 0 | `" in _card(again)[1]
     assert int(_records(selected)["raw_instructions"]["table_version"]) == 1
 
 

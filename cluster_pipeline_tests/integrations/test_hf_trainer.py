@@ -15,6 +15,7 @@ import os
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -234,19 +235,17 @@ def _rehash(out: Path) -> None:
 
 
 def _edit_split(out: Path, split: str, change) -> None:
-    """Rewrite ``split`` of ``dataset_dict/`` with ``change`` (a polars frame -> frame)."""
+    """Rewrite ``split`` of ``dataset_dict/`` with ``change`` (a polars frame -> frame); the
+    other splits' files stay as they are."""
     import shutil
 
-    splits = datasets.load_from_disk(str(out / "dataset_dict"))
-    frames = {n: splits[n].to_polars() for n in splits}
-    frames[split] = change(frames[split])
-    edited = datasets.DatasetDict(
-        {n: datasets.Dataset.from_polars(f, features=splits[n].features) for n, f in frames.items()}
-    )
-    del splits
+    folder = out / "dataset_dict" / split
+    ds = datasets.load_from_disk(str(folder))
+    edited = datasets.Dataset.from_polars(change(ds.to_polars()), info=ds.info.copy())
+    del ds
     edited.save_to_disk(str(out.parent / "edited"))
-    shutil.rmtree(out / "dataset_dict")
-    (out.parent / "edited").rename(out / "dataset_dict")
+    shutil.rmtree(folder)
+    (out.parent / "edited").rename(folder)
 
 
 TRUNCATED = "Unterminated string starting at: line 2 column 2"
@@ -303,24 +302,30 @@ def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
         f"{out}: dataset_dict/rank_1/, listed in {identity}, is gone; the export is "
         f"incomplete: {redo}"
     )
-    (out / "data" / "rank_0-00000-of-00001.parquet").unlink()
+    (out / "data" / "rank_0" / "rank_0-00000-of-00001.parquet").unlink()
     assert refused("") == (
-        f"{out}: data/rank_0-00000-of-00001.parquet, listed in {identity}, is gone; the export "
-        f"is incomplete: {redo}"
+        f"{out}: data/rank_0/rank_0-00000-of-00001.parquet, listed in {identity}, is gone; the "
+        f"export is incomplete: {redo}"
     )
     # The Parquet files the Hub and load_dataset read: a row dropped, a response changed.
     changed = (
         f"{out}: {{n}} file(s) changed since the export wrote them ({{file}}: their SHA-256 is not "
         f"the one {identity} records); {redo}"
     )
-    parquet = out / "data" / "rank_0-00000-of-00001.parquet"
-    for edit in (
-        lambda f: f.slice(1),
-        lambda f: f.with_columns(pl.lit("HACKED").alias("response")),
-        lambda f: f.with_columns(pl.lit(2.0).alias("weight")),
-    ):
-        edit(pl.read_parquet(parquet)).write_parquet(parquet)
-        assert refused("") == changed.format(n=1, file="data/rank_0-00000-of-00001.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def put(name: str, value):
+        def change(t: pa.Table) -> pa.Table:
+            i = t.schema.get_field_index(name)
+            return t.set_column(i, t.schema.field(i), pa.array([value] * t.num_rows))
+
+        return change
+
+    parquet = out / "data" / "rank_0" / "rank_0-00000-of-00001.parquet"
+    for edit in (lambda t: t.slice(1), put("response", "HACKED"), put("weight", 2.0)):
+        pq.write_table(edit(pq.read_table(parquet)), parquet)
+        assert refused("") == changed.format(n=1, file="data/rank_0/rank_0-00000-of-00001.parquet")
     # dataset_dict/, what trains: a response edited to HACKED.
     hacked = pl.col("response").cum_count().eq(3)
 
@@ -342,7 +347,7 @@ def test_a_broken_or_edited_export_is_refused_naming_the_file(tmp_path):
     assert msg.startswith(
         f"{out / 'dataset_dict'} split rank_0, position 2: the text of sample {third} hashes to "
     )
-    assert msg.endswith(f" (its system, prompt, response or tools were edited); {redo}")
+    assert msg.endswith(f" (its system, prompt, response, messages or tools were edited); {redo}")
     _edit_split(out, "rank_1", lambda f: f.with_columns(pl.lit(0.5).alias("weight")))
     _rehash(out)
     assert refused("") == (
@@ -380,8 +385,10 @@ def test_the_rank_dataset_holds_the_products_tokens_or_trls_conversation(tmp_pat
 # --- The trainer in one process -----------------------------------------------------------------
 
 
-def _trainer(tmp_path, tok, shards, data, **overrides):
-    """A plain transformers Trainer with the shards, on a fresh tiny model, in this process."""
+def _trainer(tmp_path, tok, shards, data, collator: object = "seq2seq", **overrides):
+    """A plain transformers Trainer with the shards, on a fresh tiny model, in this process
+    (``collator``: "seq2seq" for ``DataCollatorForSeq2Seq``, None for none given, else that
+    collator)."""
     from transformers import DataCollatorForSeq2Seq, TrainingArguments
 
     from cluster_pipeline.integrations.hf_trainer import ClusterTrainer
@@ -390,19 +397,51 @@ def _trainer(tmp_path, tok, shards, data, **overrides):
         str(tmp_path / "out"),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
-        report_to="none",
         use_cpu=True,
-        **{"average_tokens_across_devices": False, **overrides},
+        **{"average_tokens_across_devices": False, "report_to": "none", **overrides},
     )
-    collator = DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
+    if collator == "seq2seq":
+        collator = DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
+    given: dict[str, Any] = {} if collator is None else {"data_collator": collator}
     return ClusterTrainer(
         model=build_model(len(tok), pad_token_id=tok.pad_token_id),
         args=args,
         train_dataset=data,
-        data_collator=collator,
         processing_class=tok,
         shards=shards,
+        **given,
     )
+
+
+def test_a_plain_trainer_without_a_collator_pads_the_labels_and_trains(tmp_path, tiny_tokenizer):
+    """transformers' own fallback (DataCollatorWithPadding) pads input_ids but not labels, so
+    the plain Trainer path failed on samples of unequal length; ClusterTrainer pads both."""
+    from transformers import DataCollatorForSeq2Seq
+    from transformers.data.data_collator import default_data_collator
+
+    rows = _rows(tmp_path, 12)
+    shards = _shards(rows, [5], [1.25])
+    data = shards.dataset(0, tiny_tokenizer, SequenceSettings(max_length=64))
+    trainer = _trainer(tmp_path, tiny_tokenizer, shards, data, collator=None, max_steps=1)
+    assert isinstance(trainer.data_collator, DataCollatorForSeq2Seq)
+    by_id = {r["sample_id"]: r for r in data.to_list()}
+    first = trainer.get_train_dataloader()
+    batch = next(iter(first))
+    ids = shards.steps(0, 2, 2)[0][0]
+    lengths = [len(by_id[s]["input_ids"]) for s in ids]
+    assert len(set(lengths)) == 2  # unequal: padding is needed
+    longest = max(lengths)
+    for row, sid in enumerate(ids):
+        labels = by_id[sid]["labels"]
+        pad = [-100] * (longest - len(labels))
+        assert batch["labels"][row].tolist() == labels + pad  # the tokenizer pads on the right
+        mask = [1] * len(labels) + [0] * len(pad)
+        assert batch["attention_mask"][row].tolist() == mask
+    trainer.train()
+    assert trainer.state.global_step == 1
+    # A collator given is kept.
+    kept = _trainer(tmp_path, tiny_tokenizer, shards, data, collator=default_data_collator)
+    assert kept.data_collator is default_data_collator
 
 
 def test_a_trainer_reads_its_shard_in_the_steps_order_and_weights_its_loss(
@@ -636,3 +675,145 @@ def test_trls_sft_trainer_feeds_each_rank_its_shard_in_order_with_the_products_f
         for step, products in enumerate(losses):
             trls = sum(f["loss"] for f in fed[rank]["fed"] if f["step"] == step)
             assert abs(trls - weights[rank] * products[rank]) <= 1e-5, (rank, step, trls)
+
+
+# --- The selection in the run's trackers -------------------------------------------------------
+
+
+@pytest.mark.slow  # about 30 s: MLflow creates its SQLite store
+def test_the_selection_reaches_the_runs_trackers_and_the_checkpoints_config(
+    tmp_path, tiny_tokenizer, monkeypatch, recwarn
+):
+    """A tiny Trainer run with report_to="mlflow" (transformers' own MLflowCallback): the
+    selection's facts as the run's params, its dataset input with the manifest set's digest,
+    and in the saved checkpoint's config.json."""
+    from mlflow import MlflowClient
+    from transformers import AutoConfig, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from cluster_pipeline.integrations.hf_trainer import SelectionCallback
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "selection")
+    out, _, _ = _export(tmp_path, 12, [5], [1.25])
+    shards = ClusterShards.from_export(out)
+    record = json.loads((out / "export.json").read_text())
+    facts = record["selection"]
+    data = shards.dataset(0, tiny_tokenizer, SequenceSettings(max_length=64))
+    trainer = _trainer(
+        tmp_path, tiny_tokenizer, shards, data, collator=None, max_steps=1, report_to="mlflow"
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "tuned"))
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("selection")
+    assert experiment is not None
+    [run] = client.search_runs([experiment.experiment_id])
+    params = run.data.params
+    assert params["cluster_selection.manifest_set_sha256"] == "ab" * 32
+    assert params["cluster_selection.dataset"] == "hand"
+    assert params["cluster_selection.selector"] == facts["selector"] == "peripheral"
+    assert params["cluster_selection.rank_weight"] == "1.25"
+    assert params["cluster_selection.rank_manifest"] == shards.ranks[0].sha256
+    assert json.loads(params["cluster_selection.rank_weights"]) == [1.25]
+    assert run.inputs is not None
+    [given] = run.inputs.dataset_inputs
+    assert given.dataset.digest == ("ab" * 32)[:32]
+    assert given.dataset.name == "hand selection (peripheral)"
+    assert {t.key: t.value for t in given.tags}["mlflow.data.context"] == "training"
+    assert run.data.tags["cluster_selection.manifest_set_sha256"] == "ab" * 32
+    # The checkpoint's config.json says what it was tuned on.
+    saved = AutoConfig.from_pretrained(tmp_path / "tuned").to_dict()
+    assert saved["cluster_selection.manifest_set_sha256"] == "ab" * 32
+    assert saved["cluster_selection.rank"] == 0
+
+    # A trainer of another kind (here transformers' own) gets the same with the callback.
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "plain")
+    args = TrainingArguments(str(tmp_path / "plain"), max_steps=1, report_to="mlflow", use_cpu=True)
+    plain = Trainer(
+        model=build_model(len(tiny_tokenizer), pad_token_id=tiny_tokenizer.pad_token_id),
+        args=args,
+        train_dataset=data.remove_columns("sample_id").select(range(2)),
+        processing_class=tiny_tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tiny_tokenizer),
+        callbacks=[SelectionCallback.from_export(out)],
+    )
+    plain.train()
+    experiment = client.get_experiment_by_name("plain")
+    assert experiment is not None
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.data.params["cluster_selection.manifest_set_sha256"] == "ab" * 32
+    assert "cluster_selection.rank" not in run.data.params  # the whole selection, no rank
+    assert run.inputs is not None
+    assert run.inputs.dataset_inputs[0].dataset.digest == ("ab" * 32)[:32]
+    # Without MLflow's warning that a local path "can be interpreted in multiple ways".
+    assert [str(w.message) for w in recwarn if "multiple ways" in str(w.message)] == []
+
+
+@pytest.mark.slow  # TRL's import and two trainers: about 20 s
+def test_trls_padding_free_batches_give_the_padded_batches_weighted_loss(tmp_path, tiny_tokenizer):
+    """docs/guide/your-own-trainer.md: ``SFTConfig(..., padding_free=True, max_length=None)``
+    feeds the same samples as one flattened row and gives the padded micro-batch's weighted
+    loss; with a ``max_length`` TRL refuses it, the condition the guide states."""
+    import torch
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    from cluster_pipeline.integrations.hf_trainer import ClusterTrainer
+
+    class ClusterSFTTrainer(ClusterTrainer, SFTTrainer):
+        """The guide's class."""
+
+    rows = _rows(tmp_path, 12)
+    shards = _shards(rows, [5], [1.25])
+    data = shards.dataset(0, tiny_tokenizer, SequenceSettings(max_length=64))
+
+    def trainer(**given) -> ClusterSFTTrainer:
+        args = SFTConfig(
+            str(tmp_path / "out"),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            average_tokens_across_devices=False,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            **given,
+        )
+        model = build_model(len(tiny_tokenizer), pad_token_id=tiny_tokenizer.pad_token_id)
+        return ClusterSFTTrainer(
+            model, args=args, train_dataset=data, processing_class=tiny_tokenizer, shards=shards
+        )
+
+    with pytest.raises(ValueError, match="max_length"):
+        trainer(padding_free=True)  # TRL's default max_length=1024 with padding_free
+    padded, flat = trainer(), trainer(padding_free=True, max_length=None)
+    first_padded = next(iter(padded.get_train_dataloader()))
+    first_flat = next(iter(flat.get_train_dataloader()))
+    # The same samples in the same order: the padded rows without padding, end to end.
+    mask = first_padded["attention_mask"].bool()
+    unpadded = [ids[m].tolist() for ids, m in zip(first_padded["input_ids"], mask, strict=True)]
+    assert first_flat["input_ids"].shape[0] == 1
+    assert first_flat["input_ids"][0].tolist() == [t for row in unpadded for t in row]
+    # position_ids restart at each sample, so each attends to itself alone.
+    starts = [0, *torch.cumsum(torch.tensor([len(r) for r in unpadded]), 0).tolist()[:-1]]
+    assert [i for i, p in enumerate(first_flat["position_ids"][0].tolist()) if p == 0] == starts
+
+    # The step's target count, as the Trainer hands it to compute_loss.
+    targets = torch.tensor(int((first_padded["labels"][:, 1:] != -100).sum()))
+    assert int((first_flat["labels"] != -100).sum()) == int((first_padded["labels"] != -100).sum())
+    losses = []
+    for t, batch in ((padded, first_padded), (flat, first_flat)):
+        model = t.model
+        assert isinstance(model, torch.nn.Module)
+        model.train()
+        loss = t.compute_loss(model, dict(batch), num_items_in_batch=targets)
+        assert isinstance(loss, torch.Tensor)
+        losses.append(float(loss.detach()))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    # And the weight: 1.25 times the model's own sum of cross-entropies over the targets.
+    model = padded.model
+    assert isinstance(model, torch.nn.Module)
+    plain = float(model(**first_padded, num_items_in_batch=targets).loss.detach())
+    assert losses[0] == pytest.approx(1.25 * plain, rel=1e-5)

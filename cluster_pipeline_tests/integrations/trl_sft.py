@@ -1,4 +1,4 @@
-"""A user's TRL script, as README's "Train with your own TRL script" shows it, run by
+"""A user's TRL script, as docs/guide/your-own-trainer.md shows it, run by
 test_hf_trainer.py under torchrun: ``SFTTrainer`` with the shards' sampler and weights, each
 rank recording what its model was fed.
 
@@ -77,7 +77,7 @@ def main() -> None:
         logging_steps=1,
         use_cpu=True,
     )
-    # The lines README shows.
+    # The lines docs/guide/your-own-trainer.md shows.
     shards = ClusterShards.from_data_dir(args.dataset, args.data_dir)  # its export
     rank = config.process_index
     train = shards.dataset(rank, tokenizer, SequenceSettings(max_length=args.max_length))

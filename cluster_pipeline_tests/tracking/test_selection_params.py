@@ -1,23 +1,38 @@
 """The params of a selection's MLflow run: only the knobs its selector reads (the peripheral
-selector's run logs no s2l_*/less_*/target knob, trial note), and the whole config as the run's
-run_config.yaml artifact, written to a real SQLite store and read back."""
+selector's run logs no s2l_*/less_*/target knob, trial note), which are also what a logged run
+config repeats (the run checks refuse the others). The logged run config itself, read back from
+a real store and run again: test_pipeline_runs.py."""
 
 import pytest
-import yaml
 
-from cluster_pipeline.defs.assets.peripheral_subsets import (
-    LESS_KNOBS,
-    RUN_CONFIG_ARTIFACT,
-    S2L_KNOBS,
+from cluster_pipeline.defs.configs import (
     PeripheralSubsetsConfig,
-    run_config_yaml,
+    repeatable_config,
     tracked_knobs,
 )
-from cluster_pipeline.defs.run_checks import TARGET_KNOBS
-from cluster_pipeline.storage.layout import DataLayout
-from cluster_pipeline.tracking.tracker import Tracker, local_store
+from cluster_pipeline.selection.selectors import REGISTRY
 
 COMMON = {"selector", "ratio", "seed", "balance"}
+TARGET_KNOBS = {"target", "target_size"}
+S2L_KNOBS = {
+    "s2l_steps",
+    "s2l_checkpoints",
+    "s2l_clusters",
+    "s2l_sources",
+    "s2l_small_clusters",
+    "s2l_learning_rate",
+}
+RDS_KNOBS = {"rds_selection", "rds_pooling"}
+LESS_KNOBS = {
+    "less_warmup_fraction",
+    "less_warmup_steps",
+    "less_checkpoints",
+    "less_lora_r",
+    "less_learning_rate",
+    "less_adam",
+    "less_subtasks",
+    "less_projection_dim",
+}
 
 
 @pytest.mark.parametrize(
@@ -25,11 +40,11 @@ COMMON = {"selector", "ratio", "seed", "balance"}
     [
         (PeripheralSubsetsConfig(), COMMON),
         (PeripheralSubsetsConfig(selector="core", ratio=0.25), COMMON),
-        (PeripheralSubsetsConfig(selector="s2l", s2l_steps=16), COMMON | set(S2L_KNOBS)),
-        (PeripheralSubsetsConfig(selector="rds", target="mbpp"), COMMON | set(TARGET_KNOBS)),
+        (PeripheralSubsetsConfig(selector="s2l", s2l_steps=16), COMMON | S2L_KNOBS),
+        (PeripheralSubsetsConfig(selector="rds", target="mbpp"), COMMON | TARGET_KNOBS | RDS_KNOBS),
         (
             PeripheralSubsetsConfig(selector="less", target="mbpp"),
-            COMMON | set(TARGET_KNOBS) | set(LESS_KNOBS),
+            COMMON | TARGET_KNOBS | LESS_KNOBS,
         ),
     ],
 )
@@ -39,26 +54,20 @@ def test_only_the_knobs_the_selector_reads_are_params(config, knobs):
     assert params == {k: getattr(config, k) for k in knobs}
 
 
-def test_the_whole_config_is_an_artifact_of_the_run(tmp_path):
-    store = local_store(DataLayout.at(tmp_path / "data"))
-    tracker = Tracker(store.uri, experiment="params", artifact_location=store.artifact_location)
-    config = PeripheralSubsetsConfig(ratio=0.2)
-    run_id = tracker.start_run("selection", tags={}, params=tracked_knobs(config))
-    tracker.log_bytes(run_id, run_config_yaml(config), RUN_CONFIG_ARTIFACT)
-    tracker.end_run(run_id)
-    assert run_id is not None and tracker.enabled
+@pytest.mark.parametrize("selector", sorted(REGISTRY))
+def test_a_repeated_config_holds_the_knobs_the_run_checks_take(selector):
+    """The whole config of a selection is refused by the run checks as a run config (another
+    selector's knobs, even at their defaults); what a logged run config repeats
+    (repeatable_config) is not, and it is the same config."""
+    from cluster_pipeline.selection.selectors import misplaced_knobs
 
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=store.uri)
-    params = client.get_run(run_id).data.params
-    assert params == {"selector": "peripheral", "ratio": "0.2", "seed": "0", "balance": "tokens"}
-    assert not [k for k in params if k.startswith(("s2l_", "less_", "target"))]
-    saved = client.download_artifacts(run_id, RUN_CONFIG_ARTIFACT, str(tmp_path))
-    with open(saved) as f:
-        run_config = yaml.safe_load(f)
-    knobs = run_config["ops"]["peripheral_subsets"]["config"]
-    # Every knob, the ones the params leave out too, and a config Dagster takes as it is.
-    assert knobs == config.model_dump()
-    assert knobs["s2l_steps"] == 8 and knobs["less_projection_dim"] == 8192
-    assert PeripheralSubsetsConfig.model_validate(knobs) == config
+    config = PeripheralSubsetsConfig(selector=selector, ratio=0.2)
+    values = config.model_dump(mode="json")
+    repeated = repeatable_config("peripheral_subsets", values)
+    assert misplaced_knobs(selector, repeated) == {}
+    assert PeripheralSubsetsConfig.model_validate(repeated) == config
+    foreign = misplaced_knobs(selector, values)
+    assert set(foreign) == set(values) - set(repeated)
+    assert foreign  # every selector leaves some other selector's knob out
+    # Another stage's config is repeated whole.
+    assert repeatable_config("balanced_clusters", {"seed": 3}) == {"seed": 3}
