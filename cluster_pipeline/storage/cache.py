@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from cluster_pipeline.storage import atomic
 
 # Files that define a model's behaviour and are small enough to hash in full.
 _HASHED_SUFFIXES = (".json", ".jinja", ".txt", ".model")
@@ -74,9 +74,4 @@ class JsonCache:
     def put(self, key: str, value: Any) -> Path:
         """Store ``value`` under ``key`` atomically (a temporary file renamed); returns the file."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=self.folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, default=str)
-        target = self.path(key)
-        os.replace(tmp, target)
-        return target
+        return atomic.write_text(self.path(key), json.dumps(value, default=str))

@@ -123,7 +123,10 @@ COLUMN_DESCRIPTIONS: dict[str, dict[str, str]] = {
         "split": "train or heldout (held-out samples stop after raw_instructions).",
         "source_file": "The file the sample was read from.",
         "source_line": "1-based line or row in source_file.",
-        "source_index": "0-based place of the record among those of source_file.",
+        "source_index": (
+            "0-based place of the record among those of source_file; null for python_stdlib "
+            "(its samples are functions of a module, not records of a file)."
+        ),
         "n_response_tokens": _N_RESPONSE,
         "mean_loss": "Base model's mean loss over the response tokens, nats/token.",
         "skip_reason": "Why the sample was not embedded; null if it was.",

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import polars as pl
 
+from cluster_pipeline.storage.atomic import atomic_folder
 from cluster_pipeline.storage.cache import model_fingerprint, stable_hash
+from cluster_pipeline.storage.disk import is_disk_full, naming_full_disk, require_space
 
 CHUNK_SCHEMA = {
     "sample_id": pl.String,
@@ -110,6 +112,8 @@ def _read_cache(cache_dir: Path, read):
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001  (pyo3's PanicException is a BaseException)
+        if is_disk_full(e):  # a full disk, not a damaged cache: the caller names it
+            raise
         raise _unreadable(cache_dir, e) from e
 
 
@@ -152,6 +156,8 @@ def store_pass(
     Raises:
         FileNotFoundError / ValueError: as :func:`gather_chunks`.
         CacheUnreadable: appending to a damaged cache table failed.
+        DiskFull: the cache's disk lacks the room for the pass's rows (checked first, the
+            cache left as it was), or ran out while writing.
     """
     import shutil
 
@@ -159,18 +165,19 @@ def store_pass(
     table, log = cache_dir / CACHE_TABLE, cache_dir / PASS_LOG
     stats = read_pass_stats(pass_dir)
     line = json.dumps(stats) + "\n"
+    what, needed = f"add the embedding pass to the cache {table}", int(chunks.estimated_size())
+    require_space(cache_dir, needed, what)
     if replace:
-        fresh, old = cache_dir / f"{CACHE_TABLE}.new", cache_dir / f"{CACHE_TABLE}.old"
-        shutil.rmtree(fresh, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-        chunks.write_delta(str(fresh))
-        if table.exists():
-            table.rename(old)
-        fresh.rename(table)
-        shutil.rmtree(old, ignore_errors=True)
+        # What a replacement killed mid-way left (the cache is written under the partition's
+        # run lock, so no other writer's folder is removed).
+        for stale in cache_dir.glob(f".{CACHE_TABLE}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        with naming_full_disk(cache_dir, needed, what), atomic_folder(table) as fresh:
+            chunks.write_delta(str(fresh))
         log.write_text(line)
     else:
-        _read_cache(cache_dir, lambda: chunks.write_delta(str(table), mode="append"))
+        with naming_full_disk(cache_dir, needed, what):
+            _read_cache(cache_dir, lambda: chunks.write_delta(str(table), mode="append"))
         with log.open("a") as f:
             f.write(line)
     shutil.rmtree(pass_dir, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Job files: the JSON a Dagster asset writes and every torchrun rank reads and validates.
 
 One pydantic model per job (``EmbedJob``, ``TrainJob`` in training/config.py, ``EvalJob`` in
-evaluation/suites.py): settings, the pinned inputs and the output paths. Unknown options are
+evaluation/suites/): settings, the pinned inputs and the output paths. Unknown options are
 errors that name them (``extra="forbid"``), not silently ignored typos.
 """
 

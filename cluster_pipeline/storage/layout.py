@@ -13,6 +13,7 @@
     <data>/reports/<dataset>/                 eval_report.md/.json, plots, evals/ (cache)
     <data>/exports/<dataset>/                 the selection as a `datasets` dataset (cli export)
     <data>/locks/<dataset>.lock, .json        the partition's run lock and its holder
+    <data>/settings/<dataset>.json            the settings the partition was last launched with
     <data>/mlflow/mlflow.db, artifacts/       the MLflow tracking store (tracking/tracker.py)
 
 The data folder is ``$CLUSTER_PIPELINE_DATA_DIR`` if set, else ``<project>/data``
@@ -129,6 +130,10 @@ class DataLayout:
     def partition_lock(self, dataset: str) -> Path:
         """The lock file a run of ``dataset`` holds while it runs (storage/run_lock.py)."""
         return self.root / "locks" / f"{storage_name(dataset)}.lock"
+
+    def partition_settings(self, dataset: str) -> Path:
+        """The settings ``dataset`` was last launched with (storage/partition_settings.py)."""
+        return self.root / "settings" / f"{storage_name(dataset)}.json"
 
     def eval_cache_dir(self, dataset: str) -> Path:
         """The evaluation cache of ``dataset``: one outcome per model and settings."""

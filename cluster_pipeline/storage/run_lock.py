@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cluster_pipeline.storage import atomic
+
 
 class PartitionBusy(RuntimeError):
     """Another live run holds the partition (the message names it)."""
@@ -102,9 +104,7 @@ class PartitionLock:
             os.close(fd)
             return False, None
         stale = self.holder()
-        tmp = self.info_path.with_name(f".{self.info_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(holder)))
-        os.replace(tmp, self.info_path)
+        atomic.write_text(self.info_path, json.dumps(asdict(holder)))
         self._fd, self._holder = fd, holder
         return True, stale
 

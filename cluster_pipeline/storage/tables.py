@@ -7,6 +7,8 @@ and Delta time travel shows how a table changed between materializations.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from typing import Protocol
 import numpy as np
 import polars as pl
 from deltalake import CommitProperties, DeltaTable
+
+from cluster_pipeline.storage.disk import naming_full_disk, require_space
 
 
 @dataclass(frozen=True)
@@ -174,10 +178,16 @@ def write_table(
 
     Raises:
         RunGone: from ``guard``; the table is left as it was.
+        DiskFull: the disk lacks the room for the frame's vectors (checked first), or ran out
+            while writing; no version is committed and the earlier ones stay readable.
     """
     uri = str(uri)
     if guard is not None:
         guard.check(f"commit a new version of the Delta table {uri}")
+    what = f"commit a new version of the Delta table {uri}"
+    # The vectors (List(Float32) columns) do not compress: a lower bound of the commit's size.
+    vectors = [c for c, t in frame.schema.items() if t == pl.List(pl.Float32)]
+    require_space(uri, int(frame.select(vectors).estimated_size()) if vectors else 0, what)
     Path(uri).mkdir(parents=True, exist_ok=True)
     options: dict[str, object] = {"schema_mode": "overwrite"}
     if inputs is not None:
@@ -185,8 +195,25 @@ def write_table(
         options["commit_properties"] = CommitProperties(
             custom_metadata={INPUTS_KEY: json.dumps(versions, sort_keys=True)}
         )
-    frame.write_delta(uri, mode="overwrite", delta_write_options=options)
+    with naming_full_disk(uri, int(frame.estimated_size()), what):
+        frame.write_delta(uri, mode="overwrite", delta_write_options=options)
     return TableRef(uri, DeltaTable(uri).version())
+
+
+def content_digest(frame: pl.DataFrame, columns: Sequence[str], *keys: str) -> str:
+    """16 hex digits of sha256 over ``keys`` (length-prefixed UTF-8) and then ``columns`` of
+    ``frame``, in row order, as one uncompressed Arrow IPC stream: equal for equal content,
+    however the frame was chunked. A stage's Dagster data version (docs/design.md, "Stages"):
+    a re-read or recomputation that writes the same rows is no update for its children."""
+    h = hashlib.sha256()
+    for key in keys:
+        data = key.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    buffer = io.BytesIO()
+    frame.select(columns).rechunk().write_ipc(buffer, compression="uncompressed")
+    h.update(buffer.getvalue())
+    return h.hexdigest()[:16]
 
 
 def table_inputs(uri: str | Path, version: int) -> dict[str, int] | None:
@@ -223,12 +250,44 @@ def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join([line(head), "|" + "---|" * len(head), *(line(r) for r in rows)])
 
 
-def markdown_preview(frame: pl.DataFrame, max_rows: int = 8, max_chars: int = 60) -> str:
-    """A small GitHub-Markdown table of the first rows (long cells shortened)."""
+# The longest Markdown the Dagster UI shows inline in an asset's metadata table: from 1,000
+# characters on it shows a "[Show Markdown]" link instead (dagster-webserver's MetadataEntry,
+# ``mdStr.length < 1e3``).
+INLINE_MARKDOWN_CHARS = 1000
 
-    def cell(v) -> str:
+
+def markdown_preview(
+    frame: pl.DataFrame,
+    max_rows: int = 8,
+    max_chars: int = 60,
+    inline: bool = True,
+) -> str:
+    """A small GitHub-Markdown table of the first rows (long cells shortened, floats at 5
+    significant digits: ``3.6916``, not ``3.6915814876556396``).
+
+    With ``inline``, the table fits :data:`INLINE_MARKDOWN_CHARS`, so the UI shows it in place
+    whatever the cells hold (paths of any length): fewer rows first (down to one), then shorter
+    cells (down to 12 characters).
+    """
+
+    def cell(v, width: int) -> str:
+        if isinstance(v, float):
+            return f"{v:.5g}"
         text = "" if v is None else str(v).replace("\n", " ")
-        return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+        return text if len(text) <= width else text[: width - 1] + "…"
 
-    head = frame.head(max_rows)
-    return markdown_table(head.columns, ([cell(v) for v in row] for row in head.iter_rows()))
+    def table(rows: int, width: int) -> str:
+        head = frame.head(rows)
+        return markdown_table(
+            head.columns, ([cell(v, width) for v in row] for row in head.iter_rows())
+        )
+
+    rows, width = max_rows, max_chars
+    text = table(rows, width)
+    while inline and len(text) >= INLINE_MARKDOWN_CHARS and (rows > 1 or width > 12):
+        if rows > 1:
+            rows -= 1
+        else:
+            width = max(12, width - 8)
+        text = table(rows, width)
+    return text
