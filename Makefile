@@ -9,30 +9,40 @@ SLURMCTLD := /usr/sbin/slurmctld
 INSTANCE = mkdir -p $(DAGSTER_HOME) && { [ -s $(DAGSTER_HOME)/dagster.yaml ] || \
 	cp cluster_pipeline/defs/instance/dagster.yaml $(DAGSTER_HOME)/dagster.yaml; }
 DATASET ?= python_stdlib
+# The dataset's name reaches the recipes through the environment, as "$DATASET": a name with
+# spaces, quotes or other shell characters (`make run DATASET="my data"`) stays one word.
+export DATASET
 PROFILE ?= cpu_quick
 JOB = $(if $(filter-out cpu_quick,$(PROFILE)),main_job_$(PROFILE),main_job)
 PORT ?= 3000
 HOST ?= 127.0.0.1
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup venv run test test-fast quality format lock dev validate compare mlflow
+# The run's partition tag as JSON, from "$DATASET" (one word, whatever the name); where its
+# report lands is printed by `cluster-pipeline report`.
+PARTITION_TAG = $(BIN)/python -c 'import json, os; print(json.dumps({"dagster/partition": os.environ["DATASET"]}))'
 
+.PHONY: setup venv run test test-all test-fast quality format lock dev validate compare mlflow
+
+# Everything every target needs: the Python environment and the Debian packages (bubblewrap;
+# Slurm and munge, which only the tests use).
 setup: $(VENV)/.installed $(BWRAP) $(SLURMCTLD)
 
-# The sandbox generated code runs in (evaluation/sandbox.py) is bubblewrap, a Debian package.
+# Debian packages are installed by .ci/apt-install when missing: it says which and why before
+# it calls (sudo) apt-get, and waits up to APT_LOCK_WAIT seconds for another apt process.
+export APT_LOCK_WAIT ?= 600
+
+# The sandbox generated code runs in (evaluation/sandbox.py) is bubblewrap, a Debian package:
+# what the main job (`make run`, `make dev`, `make compare`) needs of the system.
 $(BWRAP):
-	@command -v bwrap >/dev/null || { \
-	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
-	  $$sudo apt-get update -qq && \
-	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
+	@command -v bwrap >/dev/null || .ci/apt-install \
+	  "bwrap, the sandbox eval_report runs generated code in" bubblewrap
 
 # A one-node Slurm cluster for the launcher: slurm tests (cluster_pipeline_tests/slurm/): Debian's
-# slurm-wlm and munge.
+# slurm-wlm and munge. Only `make setup`, `make test` and .ci/run install them.
 $(SLURMCTLD):
-	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
-	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
-	  $$sudo apt-get update -qq && \
-	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; }
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || .ci/apt-install \
+	  "a one-node Slurm cluster for the Slurm launcher's tests" slurm-wlm munge
 
 # Every dependency at the exact version and hash the tests passed with (requirements.lock, made
 # by `make lock`), then the project itself. torch is pinned to 2.13.0: on the project's machines
@@ -65,7 +75,7 @@ lock:
 quality: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pyright
+	$(BIN)/pyright --threads
 
 # Apply the linter's safe fixes and the formatter.
 format: setup
@@ -77,14 +87,14 @@ format: setup
 # the launchpad of main_job (main_job_<profile> for other profiles) shows. Dagster 1.13 marks
 # `dagster job execute` superseded by `dg launch` (the dagster-dg-cli package, not a
 # dependency); the command still runs the job in process, so its notice is silenced.
-run: setup
+run: $(VENV)/.installed $(BWRAP)
 	$(INSTANCE)
-	$(BIN)/cluster-pipeline datasets sync --require $(DATASET)
+	$(BIN)/cluster-pipeline datasets sync --require "$$DATASET"
 	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml.tmp && mv .run_config.yaml.tmp .run_config.yaml
 	PYTHONWARNINGS='ignore:Function `job_execute_command` is superseded' \
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j $(JOB) -c .run_config.yaml \
-		--tags '{"dagster/partition": "$(DATASET)"}'
-	@echo "report: data/reports/$(DATASET)/eval_report.md"
+		--tags "$$($(PARTITION_TAG))"
+	@$(BIN)/cluster-pipeline report "$$DATASET"
 
 # The whole test suite, slow end-to-end tests included (what CI runs), spread over up to 4
 # pytest-xdist workers (one per core). Tests are handed out one at a time, slow ones first
@@ -93,23 +103,29 @@ run: setup
 # session-scoped fixture is costly (the web UI's server, the Slurm cluster) carries an
 # xdist_group mark and stays on one worker. Most slow tests wait on the processes they start;
 # two workers keep both cores busy.
+# `make test` leaves out the longest slow tests, marked `extended` (the list and why:
+# conftest.EXTENDED); `make test-all` runs every test.
 TEST_WORKERS ?= auto
+TEST_MARKS ?= not extended
 test: setup
-	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --maxprocesses=4 --durations=50 \
+	$(BIN)/python -m pytest -m "$(TEST_MARKS)" -n $(TEST_WORKERS) --maxprocesses=4 --durations=50 \
 		--dist loadgroup
+
+test-all:
+	$(MAKE) test TEST_MARKS="slow or not slow"
 
 # The fast unit tests only.
 test-fast: setup
 	$(BIN)/python -m pytest
 
-validate: setup
+validate: $(VENV)/.installed
 	$(BIN)/dagster definitions validate -w workspace.yaml
 
 # The web UI on http://$(HOST):$(PORT) (loopback unless HOST is set); runs and their logs
 # persist in $(DAGSTER_HOME). `cluster-pipeline dev` runs `dagster dev` so that SIGTERM, SIGINT
 # or SIGHUP (to make, to it or to the process group) stops all of it within seconds; `exec`
 # makes it make's own child, with no shell between them.
-dev: setup
+dev: $(VENV)/.installed $(BWRAP)
 	$(INSTANCE)
 	exec $(BIN)/cluster-pipeline dev -- -w workspace.yaml -h $(HOST) -p $(PORT)
 
@@ -120,7 +136,7 @@ dev: setup
 # makes mlflow ui make's own child, so make's signals reach it.
 MLFLOW_PORT ?= 5000
 mlflow: PORT = $(MLFLOW_PORT)
-mlflow: setup
+mlflow: $(VENV)/.installed
 	exec $(BIN)/cluster-pipeline mlflow --host $(HOST) --port $(PORT)
 
 # Checkpoints of other selectors, ratios and seeds on the same dataset, then the comparison
@@ -134,17 +150,17 @@ RATIOS ?= 0.5
 RDS_TARGET ?=
 SEEDS ?= 0
 COMPARE_TRAIN := peripheral_subsets,shard_manifests,trained_checkpoint
-compare: setup
+compare: $(VENV)/.installed $(BWRAP)
 	$(INSTANCE)
 	for sel in $(SELECTORS); do for ratio in $(RATIOS); do for seed in $(SEEDS); do \
 		$(BIN)/cluster-pipeline compare-config $$sel $$seed $(COMPARE_TRAIN) --ratio $$ratio \
 			--profile $(PROFILE) $(if $(RDS_TARGET),--target $(RDS_TARGET)) > .compare_config.yaml && \
-		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
+		$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition "$$DATASET" \
 			--select $(COMPARE_TRAIN) -c .compare_config.yaml || exit 1; \
 	done; done; done
 	$(BIN)/cluster-pipeline compare-config peripheral 0 $(COMPARE_TRAIN),eval_report \
 		--profile $(PROFILE) > .compare_config.yaml
-	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition $(DATASET) \
+	$(BIN)/dagster asset materialize -m cluster_pipeline.definitions --partition "$$DATASET" \
 		--select $(COMPARE_TRAIN),eval_report -c .compare_config.yaml
 	rm -f .compare_config.yaml
-	@echo "report: data/reports/$(DATASET)/eval_report.md"
+	@$(BIN)/cluster-pipeline report "$$DATASET"

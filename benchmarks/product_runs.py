@@ -34,7 +34,8 @@ class ProductRun:
     Args:
         work: the folder (emptied first).
         dataset: the partition's name.
-        source: a file copied into ``raw/<dataset>/`` (None for the built-in ``python_stdlib``).
+        source: a file, or several (a pool of several sources), copied into ``raw/<dataset>/``
+            (None for the built-in ``python_stdlib``).
         model: the base model folder (default: the built-in model, converted into the project's
             ``data/models`` once).
 
@@ -42,7 +43,13 @@ class ProductRun:
         subprocess.CalledProcessError: ``cluster-pipeline datasets sync`` refused the dataset.
     """
 
-    def __init__(self, work: Path, dataset: str, source: Path | None, model: str | None = None):
+    def __init__(
+        self,
+        work: Path,
+        dataset: str,
+        source: Path | list[Path] | None,
+        model: str | None = None,
+    ):
         from cluster_pipeline.models.loading import BUILTIN_MODEL, resolve_model
 
         if work.exists():
@@ -52,7 +59,8 @@ class ProductRun:
         (data / "raw").mkdir(parents=True)
         if source is not None:  # (an empty folder would hide the built-in dataset: refused)
             (data / "raw" / dataset).mkdir()
-            shutil.copy(source, data / "raw" / dataset / source.name)
+            for file in source if isinstance(source, list) else [source]:
+                shutil.copy(file, data / "raw" / dataset / file.name)
         home = work / "dagster_home"
         home.mkdir()
         shutil.copy(ROOT / "cluster_pipeline" / "defs" / "instance" / "dagster.yaml", home)

@@ -27,6 +27,14 @@ samples, backward passes, peak memory; ``selector_seconds``: scoring and orderin
 - s2l, less: their own passes + their selection; neither reads the embedding pass nor the
   clusters (the product runs them anyway, as the pipeline's order; they are not counted).
 
+The peers run as their authors released them (issue 41: rds's own position-weighted pool pass,
+ifd's two passes without the end-of-turn tokens, s2l's source split, less's released Adam
+update); ``NAME@pre`` runs one under this project's rules before issue 41 (rds and ifd then
+read the embedding pass instead of a pass of their own). The newer baselines: ``cluster_less``
+(less's warm-up, gradients of its clusters' representatives only), ``cluster_ifd`` (ifd's
+passes, the clustering), ``balanced_random`` and ``longest`` (no model pass). Which passes a
+selector's cost holds is its record's: the embedding pass only where its inputs read it.
+
 Printed: per selector its passes, forward and backward passes, peak resident memory of the
 largest rank, seconds, and the ratio to CluSTER's seconds, beside the paper's ratios (Table 4,
 Magicoder-75K on 7B models: CluSTER 0.19 h, IFD 1.62 h = 8.5x, LESS 2.79 h = 14.7x, S2L 0.95 h =
@@ -47,21 +55,36 @@ from product_runs import ProductRun
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets" / "train" / "gpteacher_codegen.json"
 DATASET = "gpteacher_codegen"
-SELECTORS = ["peripheral", "ifd", "rds", "s2l", "less"]
+SELECTORS = [
+    "peripheral",
+    "ifd",
+    "rds",
+    "s2l",
+    "less",
+    "cluster_less",
+    "cluster_ifd",
+    "balanced_random",
+    "longest",
+]
+TARGETED = {"rds", "less", "cluster_less"}
+# This project's rules before issue 41 (selection_quality.PRE_FIDELITY's).
+PRE_FIDELITY = {
+    "ifd": {"ifd_end_of_turn": True, "ifd_truncated": True},
+    "rds": {"rds_selection": "round_robin_untaken", "rds_pooling": "response_mean"},
+    "s2l": {"s2l_sources": False, "s2l_small_clusters": "algorithm_1"},
+    "less": {"less_adam": "paper", "less_subtasks": "max"},
+}
+CHOICES = [*SELECTORS, *(f"{name}@pre" for name in PRE_FIDELITY)]
 # Table 4 of the paper: selection hours on Magicoder-OSS-Instruct-75K, as a ratio to CluSTER's.
 PAPER_RATIO = {"peripheral": 1.0, "ifd": 8.5, "less": 14.7, "s2l": 5.0}
-# Which selectors read the embedding pass, and which the clusters.
-READS_EMBEDDING = {"peripheral", "ifd", "rds"}
-CLUSTERED = {"peripheral"}
+# The selectors that read the clusters (their cost adds the clustering's seconds).
+CLUSTERED = {"peripheral", "cluster_ifd"}
 
 
 def _cost(selector: str, subsets: dict, clustering_seconds: float) -> dict:
-    """The selector's own cost (module docstring) from its ``peripheral_subsets`` metadata."""
-    passes = [
-        p
-        for p in subsets["selection_passes"]
-        if p["name"] != "embedding" or selector in READS_EMBEDDING
-    ]
+    """The selector's own cost (module docstring) from its ``peripheral_subsets`` metadata: the
+    passes its record holds (the embedding pass only where it read it)."""
+    passes = list(subsets["selection_passes"])
     seconds = sum(p["seconds"] for p in passes) + subsets["selector_seconds"]
     if selector in CLUSTERED:
         seconds += clustering_seconds
@@ -89,24 +112,27 @@ def main() -> None:
     p.add_argument(
         "--pool", type=positive_int, default=1000, help="training samples (>= 1,000 for Table 4)"
     )
-    p.add_argument("--selectors", nargs="+", default=SELECTORS, choices=SELECTORS)
+    p.add_argument("--selectors", nargs="+", default=SELECTORS, choices=CHOICES)
     p.add_argument("--max-length", type=positive_int, default=256)
     p.add_argument(
         "--world-size", type=positive_int, default=2, help="torchrun ranks of every pass"
     )
     p.add_argument("--ratio", type=fraction, default=0.5)
-    p.add_argument("--target", default="humaneval", help="rds's and less's target set")
+    p.add_argument("--target", default="humaneval", help="the targeted selectors' target set")
     p.add_argument("--target-size", type=positive_int, default=64)
+    p.add_argument(
+        "--pool-file", type=Path, default=SHARED, help="the gpteacher_codegen JSON (the shared one)"
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/selection_cost"))
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_cost.json")
     args = p.parse_args()
     if "peripheral" not in args.selectors:
         sys.exit("--selectors must include peripheral (CluSTER, the ratios' baseline)")
-    if not SHARED.exists():
-        sys.exit(f"{SHARED} not found: the shared datasets lie beside the project")
+    if not args.pool_file.exists():
+        sys.exit(f"{args.pool_file} not found: the shared datasets lie beside the project")
     if args.pool < 2 * args.world_size:
         sys.exit(f"--pool {args.pool}: too small for {args.world_size} ranks")
-    targeted = [s for s in args.selectors if s in ("rds", "less")]
+    targeted = [s for s in args.selectors if s.split("@")[0] in TARGETED]
     if targeted:  # refused now, not after the embedding pass the chain runs first
         from cluster_pipeline.evaluation.targets import target_problem
 
@@ -117,7 +143,7 @@ def main() -> None:
     from cluster_pipeline.cli.compare import compare_config
     from cluster_pipeline.defs.profiles import profile_run_config
 
-    product = ProductRun(args.work, DATASET, SHARED)
+    product = ProductRun(args.work, DATASET, args.pool_file)
     chain = ["raw_instructions", "proxy_embeddings", "balanced_clusters"]
     config = profile_run_config("cpu_quick", chain)
     ops = config["ops"]
@@ -134,7 +160,8 @@ def main() -> None:
     )
 
     results = []
-    for selector in args.selectors:
+    for name in args.selectors:
+        selector, _, variant = name.partition("@")
         run = compare_config(
             selector,
             0,
@@ -143,26 +170,29 @@ def main() -> None:
             target=args.target,
         )
         subsets_config = run["ops"]["peripheral_subsets"]["config"]
-        if selector in ("rds", "less"):
+        if selector in TARGETED:
             subsets_config["target_size"] = args.target_size
         if selector == "s2l":  # the paper's 100 trajectory clusters, at most half a small pool
             subsets_config["s2l_clusters"] = min(100, args.pool // 2)
-        wall = product.materialize("peripheral_subsets", run, selector)
+        if variant == "pre":
+            subsets_config.update(PRE_FIDELITY[selector])
+        wall = product.materialize("peripheral_subsets", run, name.replace("@", "_"))
         cost = _cost(selector, product.metadata("peripheral_subsets"), float(clusters["seconds"]))
+        cost["selector"] = name
         cost["wall_seconds"] = round(wall, 1)
         results.append(cost)
-        print(f"  {selector}: {cost['seconds']:.0f} s {cost['passes']}", flush=True)
+        print(f"  {name}: {cost['seconds']:.0f} s {cost['passes']}", flush=True)
 
     base = next(r for r in results if r["selector"] == "peripheral")["seconds"]
     print(
-        f"\n{'selector':>10} {'seconds':>8} {'ratio':>6} {'paper':>6} {'forward':>8} "
+        f"\n{'selector':>16} {'seconds':>8} {'ratio':>6} {'paper':>6} {'forward':>8} "
         f"{'backward':>8} {'peak MiB':>8}  passes (seconds)"
     )
     for r in results:
         r["ratio"] = round(r["seconds"] / base, 2)
         paper = PAPER_RATIO.get(r["selector"])
         print(
-            f"{r['selector']:>10} {r['seconds']:>8.0f} {r['ratio']:>6.2f} "
+            f"{r['selector']:>16} {r['seconds']:>8.0f} {r['ratio']:>6.2f} "
             f"{(f'{paper:.1f}' if paper else '-'):>6} {r['forward']:>8} {r['backward']:>8} "
             f"{(r['peak_rss_mib'] or 0):>8.0f}  {r['passes']}"
         )

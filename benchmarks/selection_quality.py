@@ -7,7 +7,9 @@ paired intervals.
     python benchmarks/selection_quality.py --datasets python_stdlib --seeds 0 1
     python benchmarks/selection_quality.py --plan peripheral core random_global full
 
-For each dataset (the built-in ``python_stdlib`` and the shared ``gpteacher_codegen`` pool):
+For each dataset (the built-in ``python_stdlib``, the shared ``gpteacher_codegen`` pool, and
+``mixed``: the four shared training files as one pool of four sources, where balanced_random
+and s2l's per-source split are not random_global and one k-means):
 a pool of --pool training samples and --heldout held-out samples (set aside first), one
 embedding pass of SmolLM2-135M-Instruct (the real gradient proxy), K = 2 clusters (once at
 alpha = 1.5, the default, and once at alpha = 1), then per seed every variant of --plan at
@@ -25,23 +27,28 @@ settings (seed = selection seed = training seed):
 - ``core``, ``random``: the other within-cluster selectors at alpha 1.5, re-weighted;
 - ``random_global``: the budget of the alpha-1.5 peripheral subset drawn from the whole pool;
 - ``full``: every sample;
-- ``--peers ifd rds s2l less``: the paper's baselines and RDS+, at random_global's budget, each
+- ``--peers ifd rds s2l less cluster_less cluster_ifd balanced_random longest``: the paper's
+  baselines and RDS+ (as their authors released them, issue 41), and the baselines the field
+  now reports (DataFlex's cluster-LESS, k-means + IFD, RDS+'s balanced random, token length),
+  at random_global's budget; ``ifd@pre`` etc. run a peer under this project's rules before
+  issue 41 (:data:`PRE_FIDELITY`), so the effect of fidelity is measured in the same run; each
   selected and trained through the product itself (``benchmarks/product_runs.py``: a temporary
   Dagster instance, ``dagster asset materialize`` of ``raw_instructions`` ... ``trained_checkpoint``
   with ``make compare``'s run configs; the pool and held-out split are checked to be the
   harness's own, the training settings are the harness's), then scored here like the others;
-  rds and less select towards ``--target`` (HumanEval's first 64 problems with their reference
-  solutions: the benchmark that the solution NLL scores, so they see its prompts, which the
-  others do not; the report says so).
+  rds, less and cluster_less select towards ``--target`` (HumanEval's first 64 problems with
+  their reference solutions: the benchmark that the solution NLL scores, so they see its
+  prompts, which the others do not; the report says so).
 
 Every checkpoint and the base model are scored on held-out loss (per sample, nats/token) and on
 the NLL of --humaneval HumanEval reference solutions (per problem); no generation (pass@1 is 0
 for this model). Prints, per group, the metrics (mean ± std over seeds), selection and training
 seconds, the subset's gradient diversity and the inter-rank gradient cosine during training,
-then every paired comparison (95 % bootstrap interval over items and seeds, verdict): each group
-against random_global (same budget) and full, ``peripheral`` against each other peripheral
-variant (does the capacity rule matter, does re-weighting pay), and each peer against
-``peripheral`` (added after the 2026-12-02 peers run, whose JSON lacks those pairs). Writes
+then every paired comparison (95 % bootstrap interval over items and seeds, the sign-flip p,
+verdict): each group against random_global (same budget) and full, ``peripheral`` against each
+other peripheral variant (does the capacity rule matter, does re-weighting pay), each peer
+against ``peripheral`` and against ``balanced_random`` (when both run), and each ``@pre`` peer
+against the same peer as released. Writes
 them to --out (JSON). Ratios printed: training seconds against full data, measured in the same run.
 
 The defaults (--pool 160, --heldout 160, --max-length 128, 3 seeds, 4 variants + full) train 15
@@ -66,7 +73,21 @@ from cluster_pipeline.launch.torchrun import RECIPES, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "datasets" / "train"
-POOLS = {"gpteacher_codegen": SHARED_TRAIN / "gpteacher_codegen.json"}
+# dataset -> its files. ``mixed``: the four shared training files as one pool of four sources
+# (code, general, identity, medical; 14,146 records), where balanced_random and s2l's source
+# split differ from random_global and one k-means (on a one-file pool they coincide).
+POOLS = {
+    "gpteacher_codegen": [SHARED_TRAIN / "gpteacher_codegen.json"],
+    "mixed": [
+        SHARED_TRAIN / name
+        for name in (
+            "alpaca_cherry_5pct.json",
+            "fastchat_identity_sharegpt.json",
+            "gpteacher_codegen.json",
+            "icliniq_medical.jsonl",
+        )
+    ],
+}
 # variant -> (selector, alpha, reweight, balance)
 VARIANTS = {
     "peripheral": ("peripheral", 1.5, True, "samples"),
@@ -78,8 +99,18 @@ VARIANTS = {
     "random_global": ("random_global", 1.5, True, "samples"),
 }
 DEFAULT_PLAN = ["peripheral", "peripheral_alpha1", "peripheral_noreweight", "random_global"]
-PEERS = ["ifd", "rds", "s2l", "less"]
-TARGETED = {"rds", "less"}
+PEERS = ["ifd", "rds", "s2l", "less", "cluster_less", "cluster_ifd", "balanced_random", "longest"]
+TARGETED = {"rds", "less", "cluster_less"}
+# The peers' knobs for this project's rules before issue 41 (docs/design.md, "The peers:
+# departures from the authors' released code"); IFD = 1 was dropped then and is kept now (not a
+# knob: a measure-zero event on real losses).
+PRE_FIDELITY = {
+    "ifd": {"ifd_end_of_turn": True, "ifd_truncated": True},
+    "rds": {"rds_selection": "round_robin_untaken", "rds_pooling": "response_mean"},
+    "s2l": {"s2l_sources": False, "s2l_small_clusters": "algorithm_1"},
+    "less": {"less_adam": "paper", "less_subtasks": "max"},
+}
+PEER_CHOICES = [*PEERS, *(f"{name}@pre" for name in PRE_FIDELITY)]
 
 
 def group_name(variant: str, ratio: float) -> tuple[str, dict]:
@@ -103,8 +134,11 @@ def load_pool(name: str):
 
     if name == "python_stdlib":
         return list(iter_stdlib_samples())
-    path = POOLS[name]
-    return [normalise_record(r, str(path), line) for line, r in iter_file_records(path)]
+    return [  # the product's order: files by sorted path, records in file order
+        normalise_record(r, str(path), line)
+        for path in sorted(POOLS[name])
+        for line, r in iter_file_records(path)
+    ]
 
 
 def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
@@ -277,9 +311,18 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         for v in args.plan
         if v.startswith("peripheral_") and "peripheral" in args.plan
     ]
-    # Each peer against CluSTER's own subset too, not only against random and full data.
+    # Each peer against CluSTER's own subset and RDS+'s balanced random too, not only against
+    # random and full data; each pre-fidelity peer against the same peer as released.
     if "peripheral" in args.plan:
         extra += [(peer_group(selector, args), peripheral) for selector in args.peers]
+    if "balanced_random" in args.peers:
+        balanced = peer_group("balanced_random", args)
+        extra += [(peer_group(p, args), balanced) for p in args.peers if p != "balanced_random"]
+    extra += [
+        (peer_group(p, args), peer_group(p.split("@")[0], args))
+        for p in args.peers
+        if p.endswith("@pre") and p.split("@")[0] in args.peers
+    ]
     comparisons = compare_groups(results, rows, extra_pairs=extra)
     return {
         "dataset": name,
@@ -299,9 +342,12 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     }
 
 
-def peer_group(selector: str, args) -> str:
-    """A peer's group name in the results: selector, ratio and (targeted ones) target set."""
-    return f"{selector} r={args.ratio}" + (f" target={args.target}" if selector in TARGETED else "")
+def peer_group(peer: str, args) -> str:
+    """A peer's group name in the results: selector, ratio, (targeted ones) target set, and
+    ``(pre-41)`` for a peer under this project's earlier rules (``ifd@pre``)."""
+    selector, _, variant = peer.partition("@")
+    name = f"{selector} r={args.ratio}" + (f" target={args.target}" if selector in TARGETED else "")
+    return name + (" (pre-41)" if variant == "pre" else "")
 
 
 def run_peers(name: str, args, model_path: str, work: Path, train, heldout, evaluate, log) -> None:
@@ -343,7 +389,8 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
     )
     assets = "peripheral_subsets,shard_manifests,trained_checkpoint"
     for seed in args.seeds:
-        for selector in args.peers:
+        for peer in args.peers:
+            selector, _, variant = peer.partition("@")
             subsets = {
                 "selector": selector,
                 "ratio": args.ratio,
@@ -352,6 +399,8 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
             }
             if selector in TARGETED:
                 subsets.update(target=args.target, target_size=64)
+            if variant == "pre":
+                subsets.update(PRE_FIDELITY[selector])
             run = {
                 "ops": {
                     "peripheral_subsets": {"config": subsets},
@@ -367,10 +416,10 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
                     },
                 }
             }
-            wall = product.materialize(assets, run, f"{selector}_{seed}")
+            wall = product.materialize(assets, run, f"{peer.replace('@', '_')}_{seed}")
             chosen = product.metadata("peripheral_subsets")
             trained = product.metadata("trained_checkpoint")
-            group = peer_group(selector, args)
+            group = peer_group(peer, args)
             checkpoint = str(trained["checkpoint_path"])
             ckpt = read_checkpoint(checkpoint)
             assert ckpt is not None, checkpoint
@@ -389,7 +438,7 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
                 grad_cosine=ckpt.mean_grad_cosine(),
             )
             log(
-                f"[{name}] trained {selector} seed {seed} through the product: "
+                f"[{name}] trained {peer} seed {seed} through the product: "
                 f"{chosen['selected_samples']} samples (fraction {chosen['data_fraction']}), "
                 f"selection {chosen['selection_seconds']} s, {wall:.0f} s wall"
             )
@@ -454,10 +503,13 @@ def main() -> None:
         "--peers",
         nargs="*",
         default=[],
-        choices=PEERS,
-        help="the paper's baselines and RDS+, selected and trained through the product",
+        choices=PEER_CHOICES,
+        help="the paper's baselines, RDS+ and the field's newer baselines, selected and trained "
+        "through the product; NAME@pre under this project's rules before issue 41",
     )
-    p.add_argument("--target", default="humaneval", help="the target set of rds and less")
+    p.add_argument(
+        "--target", default="humaneval", help="the target set of rds, less and cluster_less"
+    )
     p.add_argument("--pool", type=positive_int, default=160, help="training pool N per dataset")
     p.add_argument("--heldout", type=positive_int, default=160, help="held-out samples per dataset")
     p.add_argument("--max-length", type=positive_int, default=128, help="tokens per sample")
@@ -467,10 +519,18 @@ def main() -> None:
         "--humaneval", type=positive_int, default=40, help="HumanEval problems (solution NLL)"
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_quality.json")
+    p.add_argument(
+        "--shared-train",
+        type=Path,
+        default=SHARED_TRAIN,
+        help="the shared datasets' train/ folder (beside the project on its machines)",
+    )
     args = p.parse_args()
+    for name, files in POOLS.items():
+        POOLS[name] = [args.shared_train / f.name for f in files]
     if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:
         p.error("need --pool >= 8, --heldout >= 2, 0 < --ratio < 1 and seeds >= 0")
-    targeted = [s for s in args.peers if s in TARGETED]
+    targeted = [s for s in args.peers if s.split("@")[0] in TARGETED]
     if targeted:  # refused now, not after the other groups' hours of training
         from cluster_pipeline.evaluation.targets import target_problem
 
@@ -485,7 +545,7 @@ def main() -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - start:7.0f} s] {message}", flush=True)
 
-    missing = [str(POOLS[n]) for n in args.datasets if n in POOLS and not POOLS[n].exists()]
+    missing = [str(f) for n in args.datasets for f in POOLS.get(n, []) if not f.exists()]
     if missing:  # before any dataset runs, not after the first one's hour
         sys.exit(
             f"{', '.join(missing)} not found: the shared datasets lie beside the project "

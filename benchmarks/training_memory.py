@@ -6,7 +6,7 @@
    --steps optimizer steps on the same 2 x 8 python_stdlib samples with parallelism ddp, then
    fsdp: each rank's peak resident memory (``ru_maxrss``, recorded in ``training_info.json``)
    and the ratio FSDP / DDP (target <= 0.65). Beside each: the pre-launch estimate
-   (``check_training_memory`` with ``activation_bytes``) and every rank's RSS and peak RSS at
+   (``training_estimate``, part by part) and every rank's RSS and peak RSS at
    the points the training loop marks (model loaded, wrapped, shards loaded, step 1, trained,
    gathered for export).
 2. A randomly initialised Llama of about 0.9B parameters (SmolLM2's tokenizer, 18 layers of width
@@ -105,11 +105,12 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     from cluster_pipeline.storage.tables import write_table
     from cluster_pipeline.training.config import Parallelism, TrainSettings
     from cluster_pipeline.training.memory import (
+        ModelShape,
         TrainingMemoryError,
-        activation_bytes,
         available_bytes_per_rank,
         check_training_memory,
         parameter_count,
+        training_estimate,
     )
 
     smol = resolve_model(BUILTIN_MODEL, ROOT / "data" / "models")
@@ -142,18 +143,16 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     )
     peaks = {}
     modes: tuple[Parallelism, ...] = ("ddp", "fsdp")
-    n_smol = parameter_count(smol)
+    smol_shape = ModelShape.of(smol)
     for mode in modes:
-        acts = activation_bytes(smol, settings(mode))
-        need = check_training_memory(n_smol, settings(mode), 2, 2**62, activations=acts)
+        need = training_estimate(smol_shape, settings(mode), 2)
         info = train(work, f"smol_{mode}", smol, table, manifests, settings(mode))
         peaks[mode] = info["peak_rss_bytes_per_rank"]
         print(
             f"  {mode:>4}: peak RSS per rank {[round(b / GIB, 2) for b in peaks[mode]]} GiB, "
             f"training loop {info['train_seconds']:.1f} s, wall {info['wall_seconds']:.1f} s; "
-            f"pre-launch estimate {need / GIB:.2f} GiB ({acts / GIB:.2f} of it activations; "
-            f"the process itself not counted), measured peak - estimate "
-            f"{(max(peaks[mode]) - need) / GIB:.2f} GiB"
+            f"pre-launch estimate {need.text()}; measured / estimated "
+            f"{max(peaks[mode]) / need.total:.2f}"
         )
         print_breakdown(info)
     ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
@@ -182,17 +181,16 @@ def compare(args: argparse.Namespace, work: Path) -> None:
         f"\nrandom Llama, {n / 1e6:.0f}M parameters (written in {time.perf_counter() - t0:.0f} s),"
         f" 2 ranks; {available / GIB:.1f} GiB available per rank now"
     )
+    big_shape = ModelShape.of(str(big))
     try:
-        acts = activation_bytes(str(big), settings("ddp"))
-        check_training_memory(n, settings("ddp"), 2, available, activations=acts)
+        check_training_memory(big_shape, settings("ddp"), 2, available)
         print("  ddp: the estimate fits this machine: not refused")
     except TrainingMemoryError as e:
         print(f"  ddp: refused before launch: {e}")
-    acts = activation_bytes(str(big), settings("fsdp"))
-    need = check_training_memory(n, settings("fsdp"), 2, available, activations=acts)
+    need = check_training_memory(big_shape, settings("fsdp"), 2, available)
     info = train(work, "big_fsdp", str(big), table, manifests, settings("fsdp"))
     print(
-        f"  fsdp: estimate {need / GIB:.1f} GiB per rank ({acts / GIB:.2f} of it activations); "
+        f"  fsdp: estimate {need.text()}; "
         f"peak RSS per rank "
         f"{[round(b / GIB, 2) for b in info['peak_rss_bytes_per_rank']]} GiB; {info['steps']} "
         f"steps in {info['train_seconds']:.0f} s ({info['train_seconds'] / info['steps']:.0f} s "

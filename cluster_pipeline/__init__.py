@@ -1,10 +1,8 @@
 """CluSTER: clustering-based balanced sampling and allocation for data-parallel fine-tuning.
 
-Domain folders, imports pointing one way: :mod:`~cluster_pipeline.storage` and
-:mod:`~cluster_pipeline.launch`, then :mod:`~cluster_pipeline.data`, :mod:`~cluster_pipeline.models`
-and :mod:`~cluster_pipeline.selection` (the method's math), :mod:`~cluster_pipeline.training` and
-:mod:`~cluster_pipeline.evaluation`, the torchrun entry points in :mod:`~cluster_pipeline.recipes`,
-and the Dagster layer in :mod:`~cluster_pipeline.defs` (docs/design.md, "Layout").
+One folder per domain, imports pointing one way; docs/design.md, "Code layout", describes the
+layers, each folder's role and its modules (``cluster_pipeline_tests/test_layout.py`` holds the
+code to it).
 """
 
 __version__ = "0.1.0"

@@ -268,15 +268,25 @@ def materialize_partition(
     raise_on_error: bool = True,
 ) -> dg.ExecuteInProcessResult:
     """``dg.materialize`` of ``assets`` for one dataset partition, in process, with the tests'
-    run config (:func:`run_config_for` ``assets`` unless ``run_config`` is given)."""
-    return dg.materialize(
-        assets,
-        partition_key=partition,
-        instance=instance,
-        resources=resources,
-        run_config=run_config if run_config is not None else run_config_for(assets),
-        raise_on_error=raise_on_error,
-    )
+    run config (:func:`run_config_for` ``assets`` unless ``run_config`` is given).
+
+    Dagster loads the definitions with the state storage of the instance last entered in this
+    context (a ContextVar that ``DagsterInstance.__enter__`` sets); an instance entered earlier
+    in the worker and garbage-collected without its ``__exit__`` leaves a storage whose
+    instance is gone, and ``materialize`` then fails with "Attempted to resolve undefined
+    DagsterInstance weakref" (test_operations.py, twice in full suites, never alone). The
+    storage of ``instance`` is set for the call."""
+    from dagster._core.storage.defs_state.base import set_defs_state_storage
+
+    with set_defs_state_storage(instance.defs_state_storage):
+        return dg.materialize(
+            assets,
+            partition_key=partition,
+            instance=instance,
+            resources=resources,
+            run_config=run_config if run_config is not None else run_config_for(assets),
+            raise_on_error=raise_on_error,
+        )
 
 
 def meta(instance, asset: str, partition: str = "tiny") -> dict:

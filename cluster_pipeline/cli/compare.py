@@ -14,7 +14,7 @@ import yaml
 
 from cluster_pipeline.cli import UserError
 from cluster_pipeline.cli.run_config import asset_list
-from cluster_pipeline.selection.selectors import SELECTORS, needs_targets
+from cluster_pipeline.selection.selectors import REGISTRY, SELECTORS, needs_targets
 from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, TRAINED_CHECKPOINT
 
 
@@ -61,7 +61,7 @@ def compare_config(
     ops = config["ops"]
     if PERIPHERAL_SUBSETS in ops:
         subsets = {**ops[PERIPHERAL_SUBSETS]["config"], "selector": selector, "seed": seed}
-        if selector == "full":
+        if not REGISTRY[selector].budgeted:  # r bounds nothing it keeps (full)
             subsets["ratio"] = 1.0
         elif ratio is not None:
             subsets["ratio"] = ratio

@@ -40,6 +40,9 @@ import psutil
 
 GRACE_S = 3.5  # for dagster dev's own shutdown
 TERM_S = 1.5  # between SIGTERM and SIGKILL of what is left
+# How long dagster dev may take to exit after one of its services did (it stops them first on a
+# signal; measured 3 s between its webserver's exit and its own on a busy machine).
+SERVICE_EXIT_S = 5.0
 POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Processes that must outlive their parent (they act on its death): never signalled here.
@@ -173,7 +176,10 @@ def supervise(command: list[str]) -> int:
     every process below this one (module docstring).
 
     Returns:
-        The exit status: ``128 + signal`` when stopped by a signal, else ``command``'s.
+        The exit status: 0 for a normal stop (a stop signal to this process, its parent
+        stopping, or ``dagster dev`` ended by SIGTERM, SIGINT or SIGHUP: issue 44, so that make
+        reports no ``Error 143`` after a Ctrl-C), else ``dagster dev``'s status (1 when its
+        webserver or daemon died under it).
     """
     received: list[int] = []
 
@@ -189,14 +195,15 @@ def supervise(command: list[str]) -> int:
     me = psutil.Process()
     child = subprocess.Popen(command)
     services: dict[int, str] = {}
-    why = ""
+    why, asked = "", False
     while not why:
         if received:
-            why = f"received {signal.Signals(received[0]).name}"
+            why, asked = f"received {signal.Signals(received[0]).name}", True
         elif child.poll() is not None:
             why = f"dagster dev exited ({child.returncode})"
+            asked = _stopped_by_signal(child.returncode)
         elif os.getppid() != parent or parent_stopping(parent):
-            why = "the parent process (make) is stopping"
+            why, asked = "the parent process (make) is stopping", True
         else:
             for proc in _descendants(me):
                 name = _service(proc)
@@ -205,6 +212,13 @@ def supervise(command: list[str]) -> int:
             gone = [n for pid, n in services.items() if not psutil.pid_exists(pid)]
             if gone:
                 why = f"dagster dev's {gone[0]} exited"
+                # dagster dev stopping on a signal shuts its services first (its webserver
+                # exits seconds before it does): let it end by itself and read its status, so
+                # that race is a normal stop; one still running has lost a service under it.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=SERVICE_EXIT_S)
+                code = child.returncode
+                asked = bool(received) or (code is not None and _stopped_by_signal(code))
             else:
                 time.sleep(POLL_S)
     since = time.monotonic()
@@ -233,6 +247,13 @@ def supervise(command: list[str]) -> int:
         file=sys.stderr,
         flush=True,
     )
-    if received:
-        return 128 + received[0]
+    if asked:
+        return 0
     return statuses.get(child.pid, 1)
+
+
+def _stopped_by_signal(returncode: int) -> bool:
+    """Whether an exit status says the process ended on one of :data:`STOP_SIGNALS`: killed
+    by it (``-n``) or exiting with ``128 + n`` as shells and Python's handlers report it."""
+    stops = {int(s) for s in STOP_SIGNALS}
+    return -returncode in stops or returncode - 128 in stops

@@ -7,17 +7,22 @@
 Exports the dataset's latest shard manifests as the Dagster instance recorded them ($DAGSTER_HOME,
 else <project>/.dagster_home, as `make` uses): split `train` (every shard entry) and one split per
 rank (`rank_0`, ...), as a `save_to_disk` folder (`<out>/dataset_dict`, for
-`datasets.load_from_disk`), Parquet files in the Hub's layout (`<out>/data/`) and a dataset card
-(`<out>/README.md`) naming the selector, ratio, K, weights, base model, table versions and
-manifest hashes. Every table is read at the version the manifests were built from.
+`datasets.load_from_disk`), Parquet files a folder per split (`<out>/data/<split>/`), with
+LLaMA-Factory's `dataset_info.json` beside them, and a dataset card (`<out>/README.md`): the
+Hub's header, the selector, ratio, K, weights, and the provenance that repeats the selection
+(code commit, source files by SHA-256, every stage's settings, the base model, table versions
+by number and content hash, the run config). Every table is read at the version the manifests
+were built from.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from cluster_pipeline.cli import UserError, instance_home
+from cluster_pipeline.cli import UserError, instance_home, make_run
+from cluster_pipeline.integrations.export_spec import Provenance, StageSettings
 from cluster_pipeline.integrations.hf_datasets import ExportError, ExportSource, export_selection
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 from cluster_pipeline.storage.lineage import LINEAGE_STAGES
@@ -25,6 +30,7 @@ from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
     PERIPHERAL_SUBSETS,
     PROXY_EMBEDDINGS,
+    RAW_INSTRUCTIONS,
     SHARD_MANIFESTS,
 )
 
@@ -48,7 +54,7 @@ def _materialize_first(dataset: str, why: str) -> UserError:
     return UserError(
         f"dataset {dataset!r} has no shard manifests to export: {why}. Materialize selection_job "
         f"(raw_instructions -> shard_manifests) for partition {dataset!r} first: web UI Jobs -> "
-        f"selection_job, or `make run DATASET={dataset}` (main_job runs it too)"
+        f"selection_job, or `{make_run(dataset)}` (main_job runs it too)"
     )
 
 
@@ -113,6 +119,7 @@ def export_source(instance, dataset: str, layout: DataLayout) -> ExportSource:
         BalancedClustersRecord,
         PeripheralSubsetsRecord,
         ProxyEmbeddingsRecord,
+        RawInstructionsRecord,
         SampleLineageRecord,
         ShardManifestsRecord,
         UpstreamNotMaterialized,
@@ -141,6 +148,9 @@ def export_source(instance, dataset: str, layout: DataLayout) -> ExportSource:
         embeddings = record_that_wrote(
             instance, ProxyEmbeddingsRecord, dataset, clusters.inputs[PROXY_EMBEDDINGS]
         )
+        raw = record_that_wrote(
+            instance, RawInstructionsRecord, dataset, embeddings.inputs[RAW_INSTRUCTIONS]
+        )
         lineage = latest_record(instance, SampleLineageRecord, dataset)
     except UpstreamNotMaterialized as e:
         raise UserError(e.description or str(e)) from None
@@ -167,6 +177,99 @@ def export_source(instance, dataset: str, layout: DataLayout) -> ExportSource:
         dropped_for_equal_shards=shards.dropped_for_equal_shards,
         tables={stage: versions[stage] for stage in LINEAGE_STAGES if stage in versions},
         lineage_table=lineage.table if lineage is not None and built_from_these else None,
+        provenance=selection_provenance(raw, embeddings, clusters, subsets, shards),
+    )
+
+
+def _selection_knobs(config: dict[str, Any]) -> dict[str, Any]:
+    """The knobs of a recorded ``peripheral_subsets`` config that its selector reads (the
+    others are defaults nobody chose; :func:`~cluster_pipeline.defs.configs.tracked_knobs`)."""
+    from cluster_pipeline.defs.configs import tracked_knobs
+
+    return tracked_knobs(config) if config.get("selector") else dict(config)
+
+
+def selection_provenance(raw, embeddings, clusters, subsets, shards) -> Provenance:
+    """What repeats the selection, from the records of its five stages
+    (:class:`~cluster_pipeline.integrations.export_spec.Provenance`): each stage's settings as
+    its config recorded them (for records from before configs were recorded, the settings the
+    record kept), what it did, the source files by SHA-256, the pool draw, the base model's
+    portable identity and the run config of the five stages (with the base model where its
+    setting names no local folder)."""
+    from cluster_pipeline.defs.records import chain_run_config
+
+    clusters_settings = clusters.config or {
+        "num_clusters": clusters.num_clusters,
+        "alpha": clusters.alpha,
+        "niter": clusters.kmeans_niter,
+        "restarts": clusters.kmeans_restarts,
+        "representation": clusters.representation,
+    }
+    stages = {
+        RAW_INSTRUCTIONS: StageSettings(dict(raw.config), code=raw.code),
+        PROXY_EMBEDDINGS: StageSettings(
+            dict(embeddings.config or embeddings.embed_settings),
+            {
+                "samples embedded": embeddings.embedded,
+                "samples cut by truncation (by where)": embeddings.truncated,
+                "samples skipped (no response token left)": embeddings.skipped,
+            },
+            code=embeddings.code,
+        ),
+        BALANCED_CLUSTERS: StageSettings(
+            dict(clusters_settings),
+            {
+                "k-means sample": clusters.kmeans_sample_size,
+                "k-means inertia (best restart)": clusters.kmeans_inertia,
+                "cluster sizes after the capacity step": clusters.cluster_sizes,
+                "cap": clusters.cap,
+            },
+            code=clusters.code,
+        ),
+        PERIPHERAL_SUBSETS: StageSettings(
+            _selection_knobs(dict(subsets.config))
+            or {"selector": subsets.selector, "ratio": subsets.ratio, "seed": subsets.seed},
+            {
+                "samples kept per cluster": subsets.samples_per_cluster,
+                "tokens kept per cluster": subsets.tokens_per_cluster,
+            },
+            code=subsets.code,
+        ),
+        SHARD_MANIFESTS: StageSettings(
+            dict(shards.config),
+            {
+                "samples per rank": shards.samples_per_rank,
+                "tokens per rank": shards.tokens_per_rank,
+            },
+            code=shards.code,
+        ),
+    }
+    identity = embeddings.base_model_identity
+    # A setting that names a local folder is no use elsewhere: the card names its weights.
+    portable_model = "hub_id" in identity or "source" in identity
+    run_config = chain_run_config(
+        {
+            RAW_INSTRUCTIONS: raw,
+            PROXY_EMBEDDINGS: embeddings,
+            BALANCED_CLUSTERS: clusters,
+            PERIPHERAL_SUBSETS: subsets,
+            SHARD_MANIFESTS: shards,
+        },
+        embeddings.base_model_setting if portable_model else None,
+    )
+    return Provenance(
+        stages=stages,
+        source_files=dict(raw.source_files),
+        source=raw.source,
+        pool={
+            "records_read": raw.records_read,
+            "duplicates_dropped": raw.duplicates_dropped,
+            "heldout_samples": raw.heldout_samples,
+            "train_available": raw.train_available,
+            "train_samples": raw.train_samples,
+        },
+        base_model=dict(identity),
+        run_config=run_config if run_config["ops"] else {},
     )
 
 

@@ -4,7 +4,10 @@ print run configs (a size profile's, a comparison's), from a shell.
     cluster-pipeline datasets [list|sync] [--require NAME]
     cluster-pipeline lineage <dataset> (<sample_id>... | --selected | --diff OLD NEW) [--json]
     cluster-pipeline export <dataset> [--out DIR] [--overwrite]
+    cluster-pipeline report <dataset>
     cluster-pipeline run-config [<profile>] [--assets <asset>[,<asset>...]]
+    cluster-pipeline rerun <run_config.yaml> --dataset <name> [--dry-run]
+    cluster-pipeline reexecute <run_id> [--dry-run]
     cluster-pipeline compare-config <selector> <seed> <asset>[,<asset>...]
     cluster-pipeline dev -- [dagster dev arguments...]
     cluster-pipeline mlflow [--host H] [--port P] [-- mlflow ui arguments...]
@@ -19,7 +22,10 @@ from cluster_pipeline.cli import (
     dev,
     export,
     mlflow_ui,
+    reexecute,
     register,
+    report,
+    rerun,
     run_config,
     trace,
 )
@@ -29,7 +35,10 @@ COMMANDS = {
     "datasets": register,
     "lineage": trace,
     "export": export,
+    "report": report,
     "run-config": run_config,
+    "rerun": rerun,
+    "reexecute": reexecute,
     "compare-config": compare,
     "dev": dev,
     "mlflow": mlflow_ui,
@@ -41,14 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     prints one line and exits with status 2."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends a listing quietly
     parser = argparse.ArgumentParser(
-        prog="cluster-pipeline", description=(__doc__ or "").split("\n\n")[0]
+        prog="cluster-pipeline", description=(__doc__ or "").split("\n\n")[0].replace("``", "`")
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, module in COMMANDS.items():
         doc = (module.__doc__ or "").strip()
         sub = commands.add_parser(
             name,
-            help=doc.splitlines()[0],
+            # The docstring's first paragraph, whole (its first line can stop mid-sentence).
+            help=" ".join(doc.split("\n\n")[0].split()).replace("``", "`"),
             description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

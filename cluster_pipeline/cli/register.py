@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster_pipeline.cli import UserError, instance_home
 from cluster_pipeline.data.datasets import discover_datasets, refused_datasets
-from cluster_pipeline.data.formats import SUPPORTED_SUFFIXES
+from cluster_pipeline.data.formats import SUPPORTED_SUFFIXES, compressed_note
 from cluster_pipeline.defs.instance import INSTANCE_SETTINGS
 from cluster_pipeline.defs.partitions import DATASETS
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
@@ -61,9 +61,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         folder = raw_dir / args.require
         files = ", ".join(SUPPORTED_SUFFIXES)
         if folder.is_dir():
+            note = compressed_note(folder) or "put the dataset's files there"
             raise UserError(
                 f"dataset {args.require!r}: {folder} holds no {files} file (eval.json and "
-                "fields.json are settings, not data); put the dataset's files there."
+                f"fields.json are settings, not data); {note}."
             )
         raise UserError(
             f"dataset {args.require!r} not found: no folder {folder} with {files} files. "

@@ -2,14 +2,15 @@
 
     cluster-pipeline lineage <dataset> <sample_id> [<sample_id> ...]
     cluster-pipeline lineage <dataset> --selected          # every selected sample
-    cluster-pipeline lineage <dataset> --diff OLD NEW       # subset versions compared
+    cluster-pipeline lineage <dataset> --diff OLD [NEW]     # subset versions compared
 
 Reads each stage's Delta table under ``data/tables/`` (or ``--data-dir``) at the version the
 latest shard manifests were built from, as the ``sample_lineage`` asset does, and says so in a
 header; a stage re-run since (a newer version) is named there with the columns it would change.
 ``--diff`` compares two versions of the ``peripheral_subsets`` table (Delta time travel) and
-lists the samples that entered and left the subset. ``--json`` prints JSON lines (the header
-goes to stderr).
+lists the samples that entered and left the subset; NEW defaults to the latest version (a first
+run has only v0: each re-selection, such as ``make compare``'s, adds one). ``--json`` prints
+JSON lines (the header goes to stderr).
 """
 
 import argparse
@@ -21,7 +22,7 @@ import polars as pl
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from cluster_pipeline.cli import UserError
+from cluster_pipeline.cli import UserError, make_run
 from cluster_pipeline.storage.layout import DataLayout, default_data_dir
 from cluster_pipeline.storage.lineage import (
     build_lineage,
@@ -40,30 +41,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selected", action="store_true", help="every selected sample")
     parser.add_argument(
         "--diff",
-        nargs=2,
+        nargs="+",
         type=int,
-        metavar=("OLD", "NEW"),
-        help="compare two versions of the peripheral_subsets table",
+        metavar="OLD [NEW]",
+        help="compare two versions of the peripheral_subsets table (NEW: the latest by default)",
     )
     parser.add_argument("--data-dir", type=Path, default=Path(default_data_dir()))
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
 
 
-def _diff(layout: DataLayout, dataset: str, old: int, new: int, as_json: bool) -> None:
+def _diff(layout: DataLayout, dataset: str, old: int, new: int | None, as_json: bool) -> None:
     uri = layout.table_uri(PERIPHERAL_SUBSETS, dataset)
     try:
         latest = DeltaTable(uri).version()
     except TableNotFoundError:
         raise UserError(f"no peripheral_subsets table for dataset {dataset!r} at {uri}") from None
+    new = latest if new is None else new
+    versions = f"peripheral_subsets of {dataset!r} has versions 0..{latest}"
+    adds = "each selection (a re-run, make compare's selectors) adds one"
     for v in (old, new):
         if not 0 <= v <= latest:
-            raise UserError(f"peripheral_subsets of {dataset!r} has versions 0..{latest}, not {v}")
+            raise UserError(f"{versions}, not {v}: {adds}")
     diff = subset_diff(pl.read_delta(uri, version=old), pl.read_delta(uri, version=new))
+    if as_json:
+        print(json.dumps({"dataset": dataset, "old": old, "new": new, **diff}))
+        return
     print(
-        json.dumps({"dataset": dataset, "old": old, "new": new, **diff})
-        if as_json
-        else f"v{old} -> v{new}: {len(diff['entered'])} entered, {len(diff['left'])} left\n"
-        f"entered: {' '.join(diff['entered'])}\nleft: {' '.join(diff['left'])}"
+        f"v{old} -> v{new}: {len(diff['entered'])} entered, {len(diff['left'])} left"
+        + (f" (the same version: {versions}; {adds})" if old == new else "")
+        + f"\nentered: {' '.join(diff['entered'])}\nleft: {' '.join(diff['left'])}"
     )
 
 
@@ -77,11 +83,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """
     layout = DataLayout.at(args.data_dir)
     if args.diff:
-        old, new = args.diff
-        _diff(layout, args.dataset, old, new, args.json)
+        if len(args.diff) > 2:
+            parser.error(f"--diff takes OLD and at most NEW, not {len(args.diff)} versions")
+        _diff(layout, args.dataset, args.diff[0], (args.diff[1:] or [None])[0], args.json)
         return
     if not args.sample_ids and not args.selected:
-        parser.error("give sample_id(s), --selected or --diff OLD NEW")
+        parser.error("give sample_id(s), --selected or --diff OLD [NEW]")
     tables = read_lineage_tables(layout, args.dataset)
     raw = tables.frames[RAW_INSTRUCTIONS]
     if raw is None:
@@ -94,7 +101,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         raise UserError(
             f"nothing selected yet in dataset {args.dataset!r} (no peripheral_subsets table): "
             f"run selection_job for partition {args.dataset!r} (web UI Jobs -> selection_job, "
-            f"or `make run DATASET={args.dataset}`)"
+            f"or `{make_run(args.dataset)}`)"
         )
     checkpoints = checkpoints_by_manifest(list_checkpoints(layout.checkpoints_dir(args.dataset)))
     frame = build_lineage(tables.frames, checkpoints)

@@ -23,6 +23,7 @@ from cluster_pipeline.data.formats import (
     LICENSE_NAMES,
     SUPPORTED_SUFFIXES,
     Sample,
+    compressed_note,
     data_files,
     empty_file_reason,
     read_dataset_folder,
@@ -74,9 +75,11 @@ def _folder_problem(folder: Path) -> str | None:
     first file that may hold one)."""
     files = data_files(folder)
     if not files:
-        return (
-            f"{folder} holds no {', '.join(SUPPORTED_SUFFIXES)} file (eval.json and fields.json "
-            "are settings, not data); put the dataset's files there"
+        note = compressed_note(folder)
+        return f"{folder} holds no {', '.join(SUPPORTED_SUFFIXES)} file (eval.json and " + (
+            f"fields.json are settings, not data); {note}"
+            if note
+            else "fields.json are settings, not data); put the dataset's files there"
         )
     empty = []
     for path in files:

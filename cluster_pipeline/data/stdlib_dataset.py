@@ -24,6 +24,15 @@ _EXCLUDED_DIRS = {"idlelib", "site-packages", "__pycache__", "tests", "turtledem
 PROMPT_TEMPLATE = "Write a Python function `{name}{signature}` that does the following:\n\n{doc}"
 
 
+def source_description() -> str:
+    """What the built-in dataset is read from, as its provenance names it: the interpreter's
+    implementation and version (``CPython 3.11.7 standard library``); its files are not
+    hashed one by one (the version names them)."""
+    import platform
+
+    return f"{platform.python_implementation()} {platform.python_version()} standard library"
+
+
 def stdlib_root() -> Path:
     """The directory of the running interpreter's pure-Python standard library."""
     return Path(sysconfig.get_paths()["stdlib"])

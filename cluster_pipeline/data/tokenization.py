@@ -63,6 +63,9 @@ from pydantic import BaseModel, ConfigDict, Field
 # Defined beside the batch layout (torch-only); tokenization and the loss share it.
 from cluster_pipeline.data.packing import IGNORE_INDEX as IGNORE_INDEX
 
+# Batching by length lives with the other batch layouts (torch-only callers import it there).
+from cluster_pipeline.data.packing import length_batches as length_batches
+
 if TYPE_CHECKING:  # imported where a tensor is made: loading the Definitions needs no torch
     import torch
 
@@ -597,24 +600,59 @@ def response_only(sample: EncodedSample, tokenizer, header: list[int]) -> Encode
     )
 
 
-def render_texts(tokenizer, system: str, prompt: str, response: str) -> tuple[str, str]:
-    """(prompt text, response text) of a single exchange as the model sees them, without
-    :func:`sequence_start` ids.
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The ids that close a trained assistant turn after its text: what the chat template writes
+    after an assistant message's content (ChatML's ``<|im_end|>`` and newline), found by
+    rendering a one-exchange conversation around a placeholder answer; without a template, EOS
+    (the plain format's ``end_ids``). [] when there are none.
 
     Raises:
-        ChatTemplateError: as :func:`render_pieces`.
+        ChatTemplateError: the template does not render the placeholder answer.
     """
-    pieces = render_pieces(
-        tokenizer,
-        [
-            *([{"role": "system", "content": system}] if system else []),
-            {"role": "user", "content": prompt},
-            {"role": "assistant", "content": response},
-        ],
-        "last",
+    if not getattr(tokenizer, "chat_template", None):
+        return list(_eos(tokenizer))
+    answer = _placeholder(0)
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": answer}]
+    full = _render(tokenizer, turns)
+    at = full.rfind(answer)
+    if at < 0:
+        raise ChatTemplateError("the chat template does not render the assistant's answer")
+    return tokenizer(full[at + len(answer) :], add_special_tokens=False)["input_ids"]
+
+
+def without_end_of_turn(sample: EncodedSample, closing: Sequence[int]) -> EncodedSample:
+    """``sample`` with the end-of-turn tokens of its trained turns left out of the labels: each
+    run of trained tokens that ends with ``closing`` (:func:`end_of_turn_ids`) stops before it
+    (a turn whose end truncation cut keeps what is left). The answer text alone is scored, as
+    Cherry LLM's IFD scores ``tokenizer.encode(output)``, which for a Llama tokenizer holds no
+    EOS (Li et al. 2024; ``cherry_seletion/data_analysis.py:59-84``). A sample left with no
+    trained token is skipped (``no_response_tokens``).
+    """
+    closing = list(closing)
+    if sample.skip_reason is not None or not closing:
+        return sample
+    labels = list(sample.labels)
+    c, i, n = len(closing), 0, len(labels)
+    while i < n:
+        if labels[i] == IGNORE_INDEX:
+            i += 1
+            continue
+        end = i
+        while end < n and labels[end] != IGNORE_INDEX:
+            end += 1
+        if end - i >= c and labels[end - c : end] == closing:
+            labels[end - c : end] = [IGNORE_INDEX] * c
+        i = end
+    kept = sum(t != IGNORE_INDEX for t in labels)
+    return EncodedSample(
+        input_ids=sample.input_ids,
+        labels=labels,
+        n_response_tokens=kept,
+        truncated=sample.truncated,
+        skip_reason=None if kept else SKIP_NO_RESPONSE_TOKENS,
+        prompt_tokens_cut=sample.prompt_tokens_cut,
+        response_tokens_cut=sample.response_tokens_cut,
     )
-    first = next(i for i, p in enumerate(pieces) if p.label)
-    return "".join(p.text for p in pieces[:first]), "".join(p.text for p in pieces[first:])
 
 
 def encode_texts(tokenizer, prompt_text: str, response_text: str, max_length: int) -> EncodedSample:
@@ -659,29 +697,3 @@ def collate(
         "attention_mask": mask,
         "position_ids": position_ids,
     }
-
-
-def length_batches(
-    lengths: Sequence[int], max_batch_size: int, max_batch_tokens: int
-) -> list[list[int]]:
-    """Group sample indices into batches of similar length to cut padding.
-
-    Samples are sorted by length (stable, so ties keep input order); a batch closes when it
-    holds ``max_batch_size`` samples or its padded size (count x longest) would pass
-    ``max_batch_tokens``. A single sample longer than ``max_batch_tokens`` gets its own batch.
-    """
-    if max_batch_size < 1 or max_batch_tokens < 1:
-        raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        # Sorted ascending, so sample i is the longest of the batch it would join.
-        padded = lengths[i] * (len(current) + 1)
-        if current and (len(current) >= max_batch_size or padded > max_batch_tokens):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches

@@ -5,14 +5,21 @@ Every run that executes through the project's Definitions (the web UI, schedules
 ``make run``'s ``dagster job execute``, ``dagster asset materialize``) runs its steps here, so
 this is the one place that sees each run start and end, whoever started it:
 
-1. **Settings.** Every stage config of the run is validated (``defs/run_checks.py``: each
-   knob's bounds, rules across stages, the data and the base model's chat template); a bad one
-   fails the run at once with one line, ``<stage>.<knob> = <value>: <rule>``.
+1. **Settings.** Every stage config of the run, as the run will use it (its own knobs over the
+   settings its dataset partition was last launched with: ``defs/partition_settings.py``), is
+   validated (``defs/run_checks.py``: each knob's bounds, rules across stages, the data and the
+   base model's chat template); a bad one fails the run at once with one line,
+   ``<stage>.<knob> = <value>: <rule>``.
 2. **One run per partition.** The run takes its dataset partition's lock
    (``storage/run_lock.py``), waiting up to ``partition_wait_seconds`` while another run holds it
    (and saying which); a lock left by a run that died is taken over, and that run, if still
-   marked in progress, is marked failed.
-3. **A watchdog** (``defs/run_watchdog.py``), started first, marks the run failed if this
+   marked in progress, is marked failed. Holding it, the run records the knobs its launch gave
+   as the partition's settings and logs what changed and what it keeps from earlier launches.
+3. **A crashed step named.** A step process that dies without a Python error (a signal, the
+   OOM killer's SIGKILL, ``os._exit``) fails with its cause: the signal or exit status, the
+   likely reason, and the last lines the step logged, instead of Dagster's bare
+   ``ChildProcessCrashException`` (issue 43).
+4. **A watchdog** (``defs/run_watchdog.py``), started first, marks the run failed if this
    worker process dies (``kill -9``, the OOM killer) before the run's end is recorded: in the
    settings check, while it waits for the lock, during its steps, or after its last step;
    its step processes die with it (``launch/fate.py``).
@@ -28,7 +35,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import dagster as dg
 
@@ -39,8 +46,21 @@ import dagster as dg
 # Dagster drops it, loading the Definitions fails (every test does), not the wait, silently.
 from dagster._utils.interrupts import check_captured_interrupt
 
+from cluster_pipeline.defs.partition_settings import (
+    SettingsUnreadable,
+    effective_run_config,
+    from_settings_file,
+    launched_knobs,
+    remember,
+    run_settings_line,
+    stored_settings,
+)
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.run_checks import ConfigRefused, check_run, resource_config
+from cluster_pipeline.launch.progress import short_lines
+from cluster_pipeline.launch.torchrun import process_crash
+from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.storage.partition_settings import PartitionSettings
 from cluster_pipeline.storage.run_lock import Holder, PartitionBusy, PartitionLock
 
 PARTITION_TAG = "dagster/partition"
@@ -52,7 +72,8 @@ PARTITION_WAIT_ENV = "CLUSTER_PIPELINE_PARTITION_WAIT_S"
 DEFAULT_PARTITION_WAIT_S = float(os.environ.get(PARTITION_WAIT_ENV) or 3600.0)
 
 # What the fork server imports once, before it forks each step process: the Definitions and
-# every stage module (torch, polars, matplotlib, the project), so a step starts without
+# every stage module (Dagster, polars, the project; not torch or transformers, which the
+# stages import only inside the functions that need them), so a step starts without
 # importing them again. First, launch/fork_server.py: the server then ends at once after its
 # run, without finalizing an interpreter that holds all of them (1-7 s).
 PRELOAD_MODULES = [
@@ -137,16 +158,9 @@ class PartitionLockedExecutor(dg.Executor):
                 f"execution.start_method.forkserver.preload_modules = {missing}: no such module "
                 "(a typo?); name importable modules, or leave preload_modules out",
             )
-        try:
-            check_run(
-                run_config,
-                execution_plan.step_keys_to_execute,
-                instance,
-                dataset,
-                layout,
-            )
-        except ConfigRefused as e:
-            _refuse(plan_context, str(e))
+        stages = execution_plan.step_keys_to_execute
+        stored = self._settings(plan_context, layout, dataset)
+        self._check(plan_context, stages, layout, dataset, stored)
         if dataset is None:  # every stage is partitioned; other jobs take no lock
             yield from self._inner.execute(plan_context, execution_plan)
             return
@@ -178,9 +192,77 @@ class PartitionLockedExecutor(dg.Executor):
             elif stale is not None:
                 plan_context.log.warning(_take_over(instance, dataset, stale))
             plan_context.log.info(f"holding dataset partition {dataset!r} ({lock.path})")
+            self._remember(plan_context, stages, layout, dataset, stored)
             yield from self._inner.execute(plan_context, execution_plan)
         finally:
             lock.release()
+
+    @staticmethod
+    def _settings(
+        plan_context, layout: DataLayout, dataset: str | None
+    ) -> PartitionSettings | None:
+        """The partition's settings (None for a run of no partition); a damaged file refuses
+        the run, naming it."""
+        if dataset is None:
+            return None
+        try:
+            return stored_settings(layout, dataset)
+        except SettingsUnreadable as e:
+            _refuse(plan_context, str(e))
+
+    @staticmethod
+    def _check(
+        plan_context,
+        stages: list[str],
+        layout: DataLayout,
+        dataset: str | None,
+        stored: PartitionSettings | None,
+    ) -> None:
+        """Step 1 of the module docstring, on the run config as the run uses it."""
+        run = plan_context.dagster_run
+        run_config: Any = plan_context.run_config
+        if stored is not None:
+            run_config = effective_run_config(run_config, run.tags, stored)
+        try:
+            check_run(run_config, stages, plan_context.instance, dataset, layout)
+        except ConfigRefused as e:
+            note = ""
+            launched = launched_knobs(run.run_config, run.tags)
+            taken = (
+                [] if stored is None else from_settings_file(str(e).split("; "), launched, stored)
+            )
+            if taken:
+                note = (
+                    f" ({', '.join(taken)}: not given by this run's config, taken from "
+                    f"{layout.partition_settings(str(dataset))}, the settings dataset partition "
+                    f"{dataset!r} was last launched with: give them in the run config, or edit "
+                    "or delete the file)"
+                )
+            _refuse(plan_context, f"{e}{note}")
+
+    def _remember(
+        self,
+        plan_context,
+        stages: list[str],
+        layout: DataLayout,
+        dataset: str,
+        checked: PartitionSettings | None,
+    ) -> None:
+        """Under the partition's lock: the settings checked again if another run changed them
+        meanwhile, then this run's knobs recorded and the settings line logged."""
+        run = plan_context.dagster_run
+        now = self._settings(plan_context, layout, dataset)
+        if now != checked:
+            self._check(plan_context, stages, layout, dataset, now)
+        launched = launched_knobs(run.run_config, run.tags)
+        try:
+            settings, changes = remember(layout, dataset, run.run_id, launched)
+        except (SettingsUnreadable, OSError) as e:
+            _refuse(plan_context, f"dataset partition {dataset!r}: its settings: {e}")
+        path = str(layout.partition_settings(dataset))
+        line = run_settings_line(dataset, path, stages, launched, settings, changes)
+        for piece in short_lines(line) if line is not None else []:
+            plan_context.log.info(piece)  # lines a person reads whole (issue 44)
 
 
 @dg.executor(
@@ -192,10 +274,56 @@ def partition_locked_executor(init_context: dg.InitExecutorContext) -> dg.Execut
     """Dagster's multiprocess executor (same config) that validates the run's settings, holds
     its dataset partition for the whole run, and marks the run failed if its worker dies."""
     inner = dg.multiprocess_executor.executor_creation_fn(init_context)  # pyright: ignore[reportOptionalCall]
+    name_crashes(inner)
     config: Any = init_context.executor_config
     wait = float(config.get("partition_wait_seconds", DEFAULT_PARTITION_WAIT_S))
     forkserver = (config.get("start_method") or {}).get("forkserver") or {}
     return PartitionLockedExecutor(inner, wait, forkserver.get("preload_modules") or [])
+
+
+# Lines of a crashed step's log its failure quotes.
+CRASH_LOG_LINES = 5
+CRASH = "ChildProcessCrashException"
+
+
+def last_log_lines(instance: dg.DagsterInstance, run_id: str, step_key: str, n: int) -> list[str]:
+    """The last ``n`` lines the step ``step_key`` of run ``run_id`` logged itself
+    (``context.log``: not Dagster's own events), oldest first."""
+    lines = [
+        entry.user_message
+        for entry in instance.all_logs(run_id)
+        if entry.step_key == step_key and entry.dagster_event is None and entry.user_message
+    ]
+    return lines[-n:]
+
+
+def name_crashes(executor: dg.Executor) -> None:
+    """Make ``executor`` (Dagster's multiprocess executor) fail a step whose process crashed
+    with the cause (:func:`~cluster_pipeline.launch.torchrun.process_crash`: signal or exit
+    status, likely reason, the step's last log lines) as the error's message, where Dagster
+    records a ``ChildProcessCrashException`` with none.
+
+    The multiprocess executor builds that failure in ``log_failure_or_retry_event_after_error``
+    while it handles the crash (the exception, with its ``pid`` and ``exit_code``, is the one
+    being handled); the instance's method is wrapped to reword it first. Every other failure
+    passes unchanged."""
+    original = executor.log_failure_or_retry_event_after_error
+
+    def log_failure_or_retry(step_context, err_info, known_state):
+        if err_info.cls_name == CRASH:
+            crash = sys.exc_info()[1]
+            key = step_context.step.key
+            lines = last_log_lines(step_context.instance, step_context.run_id, key, CRASH_LOG_LINES)
+            cause = process_crash(
+                f"step {key}",
+                getattr(crash, "pid", None),
+                getattr(crash, "exit_code", None),
+                lines,
+            )
+            err_info = err_info._replace(message=cause)
+        return original(step_context, err_info, known_state)
+
+    executor.log_failure_or_retry_event_after_error = log_failure_or_retry  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def missing_modules(modules: Sequence[str]) -> list[str]:
@@ -212,7 +340,7 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
     return missing
 
 
-def _refuse(plan_context, message: str):
+def _refuse(plan_context, message: str) -> NoReturn:
     """Fail the run with ``message`` as its failure, before any step, without a traceback: the
     run is marked failed first, and the interrupt that ends execution then adds no second
     failure (Dagster's run iterator sees a run already failed)."""

@@ -15,12 +15,14 @@ from typing import Any
 
 import dagster as dg
 
-from cluster_pipeline.defs.assets.balanced_clusters import BalancedClustersConfig
-from cluster_pipeline.defs.assets.eval_report import EvalReportConfig
-from cluster_pipeline.defs.assets.peripheral_subsets import PeripheralSubsetsConfig
-from cluster_pipeline.defs.assets.proxy_embeddings import ProxyEmbeddingsConfig
-from cluster_pipeline.defs.assets.raw_instructions import RawInstructionsConfig
-from cluster_pipeline.defs.assets.trained_checkpoint import TrainedCheckpointConfig
+from cluster_pipeline.defs.configs import (
+    BalancedClustersConfig,
+    EvalReportConfig,
+    PeripheralSubsetsConfig,
+    ProxyEmbeddingsConfig,
+    RawInstructionsConfig,
+    TrainedCheckpointConfig,
+)
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
     EVAL_REPORT,
@@ -68,9 +70,13 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     # One node of 8 GPUs, as in the CluSTER paper's runs (7B models, 4-8 H100s): the whole pool,
     # 2,048-token samples, K = 8 clusters = 8 training ranks, 8 embedding ranks, bfloat16,
     # 3 epochs at 8 ranks x 4 packed micro-batches of 8,192 tokens per step (about 128 samples
-    # of ~500 tokens) and learning rate 2e-5, rows up to 4,096 tokens (GPU attention pays
-    # little for long rows), and every HumanEval and MBPP problem. Set num_clusters and
-    # world_size to your GPU count.
+    # of ~500 tokens) and learning rate 2e-5, rows up to 4,096 tokens, and every HumanEval and
+    # MBPP problem. Set num_clusters and world_size to your GPU count. Rows of 4,096 cost only
+    # their samples' own attention where the variable-length kernel runs (data/attention.py:
+    # CUDA with torch's varlen_attn or flash-attn); under sdpa's block mask they cost the whole
+    # row's (an H200 measured 19k real tokens/s at 4,096 against 33k at 1,024, issue 39). The
+    # row bound and micro-batch tokens are not re-tuned: benchmarks/gpu_step.py has not run on
+    # a GPU yet (docs/guide/gpu.md).
     "gpu8": {
         RAW_INSTRUCTIONS: {"max_train_samples": None, "max_heldout": 500},
         PROXY_EMBEDDINGS: {

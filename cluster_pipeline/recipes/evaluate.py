@@ -18,7 +18,6 @@ if __name__ == "__main__":
     die_with_parent()
 
 import json
-import os
 from pathlib import Path
 
 import polars as pl
@@ -26,7 +25,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from cluster_pipeline.evaluation.suites import EvalJob, evaluate_model, load_suites
 from cluster_pipeline.launch.fate import check_alive
+from cluster_pipeline.storage.atomic import atomic_file
 from cluster_pipeline.training.distributed import DistEnv, Reporter, run_entry_point
+from cluster_pipeline.training.memory import peak_memory_bytes
 
 
 @record
@@ -45,12 +46,14 @@ def evaluate(job: EvalJob, env: DistEnv, report: Reporter) -> None:
     for i, model in enumerate(job.models, 1):
         report.info(f"model {i}/{len(job.models)}: {model.model_path}")
         outcome = evaluate_model(model.model_path, heldout, suites, job.settings, report.info)
+        # This process's peak so far (every model before this one included): what the report's
+        # memory estimate is checked against.
+        outcome["peak_rss_bytes"] = peak_memory_bytes()[0]
         if env.is_main:
             out = Path(model.output)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps(outcome, default=str))
-            check_alive(f"write the evaluation outcome {out}")
-            os.replace(tmp, out)
+            with atomic_file(out) as tmp:
+                tmp.write_text(json.dumps(outcome, default=str))
+                check_alive(f"write the evaluation outcome {out}")
 
 
 if __name__ == "__main__":

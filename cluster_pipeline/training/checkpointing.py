@@ -2,7 +2,8 @@
 leaves and how it is written and read back.
 
 - **The catalogue** (read by lineage, evaluation and the asset metadata): :class:`Checkpoint`,
-  :func:`read_checkpoint`, :func:`list_checkpoints`, :func:`finished_for`, the metrics file.
+  :func:`read_checkpoint`, :func:`list_checkpoints`, :func:`finished_for`, the metrics file,
+  and the runs that can still resume (:func:`resumable_runs`).
 - **Writers**: :func:`save_checkpoint` (``save_pretrained`` + ``training_info.json``,
   atomically), :class:`CheckpointDir` (the resumable ``step_<n>/`` folders), FSDP2's sharded
   files (:func:`save_sharded` / :func:`load_sharded`, ``torch.distributed.checkpoint``), LoRA
@@ -26,15 +27,15 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster_pipeline.launch.fate import check_alive
+from cluster_pipeline.storage.atomic import atomic_file, atomic_folder
+from cluster_pipeline.storage.disk import naming_full_disk, require_space
 
 if TYPE_CHECKING:  # imported where tensors are handled: the assets read checkpoints without it
     import torch
@@ -66,6 +67,26 @@ def read_metrics(checkpoint: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return rows
+
+
+def killed_seconds(rows: list[dict[str, Any]], resumed_step: int, elapsed_at_step: float) -> float:
+    """Training seconds an interrupted run spent past the checkpoint it resumes from, which
+    its resumption trains again: the last ``elapsed_seconds`` its metrics file logged after
+    step ``resumed_step``, less ``elapsed_at_step`` (what the checkpoint recorded); 0 when it
+    logged no later step. The resumed run adds them to its ``train_seconds``, so the time a
+    kill cost counts in what the training cost (issue 43: the report's saving left it out).
+
+    Args:
+        rows: the metrics file's rows (:func:`read_metrics`), before the resumed run rewrites it.
+        resumed_step: the step of the checkpoint resumed from.
+        elapsed_at_step: that checkpoint's ``elapsed_seconds``.
+    """
+    later = [
+        float(r["elapsed_seconds"])
+        for r in rows
+        if int(r.get("step", 0)) > resumed_step and "elapsed_seconds" in r
+    ]
+    return max(0.0, max(later) - elapsed_at_step) if later else 0.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +169,103 @@ def finished_for(path: str | Path, manifest_sha256: list[str]) -> Checkpoint | N
 
 
 TRAINING_STATE = "training_state.pt"
+# Beside the tensors: the tokenizer's files, config and JSON (the built-in model's are 3.5 MB).
+CHECKPOINT_OVERHEAD_BYTES = 16 * 2**20
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or dicts, lists and tuples holding them), each
+    storage counted once (tied weights share one): what ``save_pretrained`` or ``torch.save``
+    writes of it, give or take headers."""
+    seen: set[tuple[int, int]] = set()
+
+    def walk(value: Any) -> int:
+        if hasattr(value, "untyped_storage") and hasattr(value, "element_size"):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key in seen or value.device.type == "meta":
+                return 0
+            seen.add(key)
+            return int(value.numel() * value.element_size())
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(walk(v) for v in value)
+        return 0
+
+    return walk(obj)
+
+
+def checkpoint_bytes(n_parameters: int, n_trainable: int, intermediate: bool) -> int:
+    """Bytes a training run writes at least, known before it starts: the finished checkpoint
+    (the weights in float32, as the loop trains them: 4 x P) and, when it saves resumable
+    checkpoints, the next one of those (weights, plus AdamW's two float32 moments of the T
+    trainable parameters: 4 P + 8 T), each with the tokenizer's files."""
+    final = 4 * n_parameters + CHECKPOINT_OVERHEAD_BYTES
+    step = 4 * n_parameters + 8 * n_trainable + CHECKPOINT_OVERHEAD_BYTES
+    return final + (step if intermediate else 0)
+
+
+@dataclass(frozen=True)
+class ResumableRun:
+    """A training run that stopped before it finished and can resume: the checkpoint folder
+    it was writing (no ``training_info.json`` there), its newest complete ``step_<n>/``, that
+    step, the bytes its intermediate folder holds, and the Dagster run that launched it and
+    its manifest set (from the job file beside it; None where it cannot be read)."""
+
+    output_dir: Path
+    latest: Path
+    step: int
+    bytes: int
+    run_id: str | None
+    manifest_set_sha256: str | None
+
+    @property
+    def intermediate(self) -> Path:
+        """Its ``<name>.checkpoints/`` folder (delete it to free :attr:`bytes`)."""
+        return intermediate_dir(self.output_dir)
+
+    def to_metadata(self) -> dict[str, Any]:
+        """JSON-ready: path, step, GiB, run id, manifest set (12 hex digits)."""
+        return {
+            "path": str(self.latest),
+            "step": self.step,
+            "gib": round(self.bytes / 2**30, 3),
+            "run_id": self.run_id,
+            "manifest_set": (self.manifest_set_sha256 or "")[:12] or None,
+        }
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def resumable_runs(root: Path) -> list[ResumableRun]:
+    """Every run under ``root`` (a dataset's checkpoint folder) that left a complete
+    intermediate checkpoint and no finished checkpoint, by folder name. A re-executed run
+    resumes only the one of its own manifests, data, model and settings; the others are what a
+    new selection would leave behind unsaid (issue 43), so ``trained_checkpoint`` names them."""
+    if not root.is_dir():
+        return []
+    out = []
+    for folder in sorted(root.glob("*.checkpoints")):
+        output_dir = root / folder.name.removesuffix(".checkpoints")
+        latest = CheckpointDir(folder).latest()
+        if latest is None or read_checkpoint(output_dir) is not None:
+            continue
+        run_id = manifest_set = None
+        job = output_dir.parent / f"{output_dir.name}.job.json"
+        try:
+            provenance = json.loads(job.read_text()).get("provenance", {})
+            run_id = provenance.get("dagster_run_id")
+            manifest_set = provenance.get("manifest_set_sha256")
+        except (OSError, ValueError, AttributeError):
+            pass
+        step = int(latest.name.split("_")[-1])
+        out.append(
+            ResumableRun(output_dir, latest, step, _folder_bytes(folder), run_id, manifest_set)
+        )
+    return out
 
 
 class CheckpointDir:
@@ -182,10 +300,14 @@ class CheckpointDir:
 
         path = self.step_dir(step)
         if model is None:
-            tokenizer.save_pretrained(path)
-            torch.save(state, path / f".{TRAINING_STATE}.tmp")
-            check_alive(f"complete checkpoint {path}")
-            os.replace(path / f".{TRAINING_STATE}.tmp", path / TRAINING_STATE)
+            what = f"save the resumable checkpoint {path}"
+            needed = tensor_bytes(state) + CHECKPOINT_OVERHEAD_BYTES
+            require_space(self.root, needed, what)
+            with naming_full_disk(self.root, needed, what):
+                tokenizer.save_pretrained(path)
+                with atomic_file(path / TRAINING_STATE) as tmp:
+                    torch.save(state, tmp)
+                    check_alive(f"complete checkpoint {path}")
         else:
             save_checkpoint(model, tokenizer, path, {"step": step}, extra={TRAINING_STATE: state})
         for old in self.all()[:-keep]:
@@ -204,12 +326,20 @@ def save_checkpoint(
     """``save_pretrained`` (safetensors) + tokenizer + ``training_info.json`` (+ ``extra`` objects
     saved with ``torch.save``, + whatever ``also(folder)`` writes) into ``out_dir``, atomically:
     written to a temporary sibling folder, then renamed over ``out_dir``, so a killed save
-    leaves no half checkpoint."""
+    leaves no half checkpoint.
+
+    Raises:
+        DiskFull: the disk lacks the room for the model's and ``extra``'s tensors (checked
+            before anything is written), or ran out while writing (the temporary folder is
+            removed; an earlier ``out_dir`` stays as it was).
+    """
     import torch
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    what = f"save the checkpoint {out_dir}"
+    needed = tensor_bytes(model.state_dict()) + tensor_bytes(extra) + CHECKPOINT_OVERHEAD_BYTES
+    require_space(out_dir.parent, needed, what)
+    with naming_full_disk(out_dir.parent, needed, what), atomic_folder(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=1, default=str))
@@ -218,16 +348,6 @@ def save_checkpoint(
         if also is not None:
             also(tmp)
         check_alive(f"rename checkpoint {out_dir} into place")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 ADAPTER_DIR = "adapter"  # the LoRA adapter, beside the merged weights of a checkpoint
@@ -439,8 +559,34 @@ def load_sharded(model, optimizer, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     model_state, optim_state = get_state_dict(model, optimizer)
+    check_sharded_keys(folder, model_state)
     state = {"model": model_state, "optim": optim_state}
     load(state, checkpoint_id=str(folder))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+
+
+def check_sharded_keys(folder: Path, model_state: dict) -> None:
+    """Refuse a sharded checkpoint that does not hold every tensor of ``model_state`` (the
+    model's state dict as :func:`load_sharded` reads it), before ``torch.distributed.checkpoint``
+    fails on the first missing one: a checkpoint of another model, or of a training loop that
+    wrapped the model differently (intermediate checkpoints written before the loss module
+    became FSDP's root, 2026-12-05, name their tensors without its ``model.`` prefix).
+
+    Raises:
+        ValueError: a tensor of the model is not in the checkpoint; the message names the
+            folder, how many are missing, one of them, and what to do.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    saved = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    wanted = [f"model.{key}" for key in model_state]
+    missing = [key for key in wanted if key not in saved]
+    if missing:
+        raise ValueError(
+            f"{folder} does not hold this model's weights: {len(missing)} of {len(wanted)} "
+            f"tensors are missing (e.g. {missing[0]!r}); it was written for another model or "
+            "by an earlier version of the training loop. Set resume: false to train from the "
+            f"start, or move {folder.parent.parent} aside to keep it."
+        )

@@ -20,6 +20,10 @@ from cluster_pipeline.storage.job_files import JobFile, StrictModel
 from cluster_pipeline.tracking.tracker import TrackingTarget
 
 Schedule = Literal["cosine", "linear", "constant"]
+# Training knobs that change how fast a step runs, not what it trains (the same loss and
+# gradients to float32 rounding: training/kernels.py): left out of a checkpoint's identity
+# (its folder's hash, the report's setups), so turning one neither retrains nor splits a group.
+SPEED_ONLY_SETTINGS = frozenset({"fused_loss", "compile"})
 Parallelism = Literal["ddp", "fsdp"]
 
 
@@ -50,7 +54,7 @@ class EmbedSettings(StrictModel, SequenceSettings, PackingSettings):
 class GradientPass(StrictModel):
     """less's gradient pass (selection/selectors/less.py) in place of the embedding: each
     sample's LoRA gradient of its mean response loss under one warm-up checkpoint, Adam-
-    preconditioned with that checkpoint's optimizer state (``adam``, the pool) or plain
+    preconditioned with that checkpoint's optimizer state (``adam_*``, the pool) or plain
     (``sgd``, the target set), randomly projected and L2-normalised
     (selection/gradient_features.py); stored as the chunk's ``embedding`` column."""
 
@@ -58,7 +62,12 @@ class GradientPass(StrictModel):
         description="A warm-up step folder: the peft adapter (adapter_config.json, "
         "adapter_model.safetensors) and training_state.pt with the AdamW state."
     )
-    preconditioner: Literal["adam", "sgd"] = "adam"
+    preconditioner: Literal["adam_released", "adam_paper", "sgd"] = Field(
+        default="adam_released",
+        description="adam_released: the authors' released update, m' / sqrt(v' + eps) without bias "
+        "correction (LESS's collect_grad_reps.py); adam_paper: the paper's eq. (1), "
+        "m_hat / (sqrt(v_hat) + eps); sgd: the plain gradient.",
+    )
     projection_dim: int = Field(default=8192, ge=1, description="d of the projection.")
     projection_seed: int = Field(default=0, ge=0, description="Seed of the projection.")
     project_rows: int | None = Field(
@@ -84,6 +93,12 @@ class EmbedJob(JobFile):
     # ifd's unconditioned pass (data/tokenization.response_only): each sample's response tokens
     # without its prompt, so ``mean_loss`` is the response's loss alone.
     response_only: bool = False
+    # ifd's passes (data/tokenization.without_end_of_turn): False = the trained turns' closing
+    # tokens (the template's end-of-turn marker, or EOS) are not scored, as Cherry LLM's IFD.
+    end_of_turn: bool = True
+    # What ``hidden_mean`` pools (selection/embedding.py): the response positions, or (rds's
+    # own pass, RDS+) every position with weights proportional to the position.
+    pooling: Literal["response_mean", "position_weighted"] = "response_mean"
     # less's gradient pass instead of the embedding (the model is ``model_path`` with the
     # checkpoint's adapter); None = the embedding pass.
     gradients: GradientPass | None = None
@@ -173,6 +188,19 @@ class TrainSettings(StrictModel, SequenceSettings, PackingSettings):
         default=False,
         description="Recompute activations in the backward pass (transformers' gradient "
         "checkpointing): less memory for long sequences, about a third more compute.",
+    )
+    fused_loss: bool = Field(
+        default=True,
+        description="The loss from the final hidden states in chunks of tokens, never the "
+        "whole (tokens x vocabulary) float32 logits (training/kernels.py; Liger-Kernel's fused "
+        "linear cross-entropy on a GPU where liger-kernel is installed): the same loss and "
+        "gradients to float32 rounding, less memory. Off = from the model's logits.",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each decoder layer (training/kernels.py): faster GPU steps "
+        "once compiled (the first steps pay the compilation); inductor needs a C++ compiler on "
+        "CPU.",
     )
     lora_r: int = Field(
         default=0, ge=0, description="LoRA rank (peft adapters); 0 = full fine-tuning."

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cluster_pipeline.launch.fate import die_with_parent
+from cluster_pipeline.launch.progress import Heartbeat
 from cluster_pipeline.storage.job_files import JobFile, JobFileError
 
 J = TypeVar("J", bound=JobFile)
@@ -78,29 +79,42 @@ def step_eta(done: int, left: int, seconds: float) -> str:
 
 class Reporter:
     """Rank 0's voice: logs and metadata go to Dagster through Pipes when the process was
-    launched by a Pipes client, and to stdout otherwise. Other ranks stay silent."""
+    launched by a Pipes client, and to stdout otherwise. Other ranks stay silent. Its
+    :class:`Heartbeat` (running while :func:`reporter`'s block runs) says what still runs
+    when nothing was logged for :data:`~cluster_pipeline.launch.progress.HEARTBEAT_S` seconds."""
 
     def __init__(self, env: DistEnv, pipes=None):
         self.env = env
         self.pipes = pipes
+        self.heartbeat = Heartbeat(self._info)
 
-    def info(self, message: str) -> None:
-        """Log ``message`` from rank 0 (Pipes, else stdout)."""
-        if not self.env.is_main:
-            return
+    def _info(self, message: str) -> None:
         if self.pipes is not None:
             self.pipes.log.info(message)
         else:
             print(message, flush=True)
 
-    def warning(self, message: str) -> None:
-        """Log ``message`` as a warning from rank 0 (Pipes, else stderr)."""
-        if not self.env.is_main:
-            return
+    def info(self, message: str) -> None:
+        """Log ``message`` from rank 0 (Pipes, else stdout)."""
+        if self.env.is_main:
+            self.heartbeat.say(message)
+
+    def doing(self, what: str, say: bool = True) -> None:
+        """``what`` runs from now on: logged (unless ``say`` is False) from rank 0, and named
+        by the heartbeat while nothing else is said."""
+        if self.env.is_main:
+            self.heartbeat.doing(what, say)
+
+    def _warning(self, message: str) -> None:
         if self.pipes is not None:
             self.pipes.log.warning(message)
         else:
             print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def warning(self, message: str) -> None:
+        """Log ``message`` as a warning from rank 0 (Pipes, else stderr)."""
+        if self.env.is_main:
+            self.heartbeat.say(message, self._warning)
 
     def materialization(self, metadata: dict) -> None:
         """Report the asset's materialization metadata from rank 0 (Pipes, else stdout as JSON)."""
@@ -114,14 +128,22 @@ class Reporter:
 
 @contextlib.contextmanager
 def reporter(env: DistEnv) -> Iterator[Reporter]:
-    """Open Dagster Pipes on rank 0 if this process runs under a Pipes client."""
+    """Open Dagster Pipes on rank 0 if this process runs under a Pipes client; rank 0's
+    heartbeat runs while the block does."""
     if env.is_main and "DAGSTER_PIPES_CONTEXT" in os.environ:
         from dagster_pipes import open_dagster_pipes
 
         with open_dagster_pipes() as pipes:
-            yield Reporter(env, pipes)
+            report = Reporter(env, pipes)
+            with report.heartbeat.running():
+                yield report
     else:
-        yield Reporter(env)
+        report = Reporter(env)
+        if env.is_main:
+            with report.heartbeat.running():
+                yield report
+        else:
+            yield report
 
 
 def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:

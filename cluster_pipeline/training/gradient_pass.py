@@ -3,8 +3,8 @@ resumption and per-sample cache (training/embedding_pass.py, ``EmbedJob.gradient
 sample's row holding, in place of the embedding, its projected LoRA gradient under one warm-up
 checkpoint (selection/gradient_features.py):
 
-    pool    (``adam``):  normalise(project(Gamma(grad l(z; theta_i))))
-    targets (``sgd``):   normalise(project(grad l(z'; theta_i)))
+    pool    (``adam_*``):  normalise(project(Gamma(grad l(z; theta_i))))
+    targets (``sgd``):     normalise(project(grad l(z'; theta_i)))
 
 with ``mean_loss`` the sample's mean response loss under the checkpoint. Samples are batched
 by length (padded, ``max_batch_size`` / ``max_batch_tokens``); one backward pass per batch
@@ -40,7 +40,7 @@ PROJECT_BYTES = 2**30  # float32 gradients held for one projection group (Gradie
 
 class GradientModel:
     """The base model with a warm-up checkpoint's LoRA adapter (trainable, eval mode: no
-    dropout), that checkpoint's AdamW state (for ``adam``) and the projection."""
+    dropout), that checkpoint's AdamW state (for ``adam_*``) and the projection."""
 
     def __init__(self, base_model, spec: GradientPass, device):
         from peft import PeftModel
@@ -51,7 +51,7 @@ class GradientModel:
         self.spec = spec
         dim = gradient_dim(self.model)
         self.adam: AdamState | None = None
-        if spec.preconditioner == "adam":
+        if spec.preconditioner != "sgd":
             state = torch.load(folder / TRAINING_STATE, weights_only=False, map_location="cpu")
             self.adam = AdamState.from_optimizer_state(state["optimizer"], device=device)
             if len(self.adam.exp_avg) != dim:
@@ -63,8 +63,12 @@ class GradientModel:
         self.group_rows = spec.project_rows or max(1, PROJECT_BYTES // (4 * dim))
 
     def precondition(self, grads: torch.Tensor) -> torch.Tensor:
-        """(B, P) gradients -> (B, P) float32 Gamma(g) for ``adam``, g itself for ``sgd``."""
-        return adam_precondition(grads, self.adam) if self.adam is not None else grads.float()
+        """(B, P) gradients -> (B, P) float32 Gamma(g) for ``adam_released`` (the authors'
+        update) or ``adam_paper`` (eq. (1)), g itself for ``sgd``."""
+        if self.adam is None:
+            return grads.float()
+        released = self.spec.preconditioner == "adam_released"
+        return adam_precondition(grads, self.adam, released=released)
 
     def features(self, grads: torch.Tensor) -> torch.Tensor:
         """(B, P) gradients -> (B, d) float32 normalised projected (preconditioned) ones."""

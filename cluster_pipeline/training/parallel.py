@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cluster_pipeline.training.config import TrainSettings
+from cluster_pipeline.training.kernels import decoder_layers
 
 
 def apply_lora(model, cfg: TrainSettings):
@@ -70,19 +71,14 @@ def check_lora_targets(model_path: str, cfg: TrainSettings) -> None:
         ) from e
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The transformer blocks of a ``transformers`` model (its ``_no_split_modules`` classes,
-    e.g. ``LlamaDecoderLayer``): the units FSDP2 shards one by one."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def wrap(model, cfg: TrainSettings, device: torch.device):
-    """The module a rank calls: the model itself on one process, ``DistributedDataParallel``
-    for ``parallelism: ddp``, or the model sharded in place with FSDP2 ``fully_shard`` (each
-    decoder layer, then the root) for ``fsdp``, with bfloat16 parameters and float32 gradient
-    reduction when ``bf16`` is set on a GPU."""
+    """The module a rank calls: ``model`` itself on one process, ``DistributedDataParallel``
+    for ``parallelism: ddp``, or ``model`` sharded in place with FSDP2 ``fully_shard`` (each
+    decoder layer inside it, then ``model`` as the root) for ``fsdp``, with bfloat16
+    parameters and float32 gradient reduction when ``bf16`` is set on a GPU. ``model`` is the
+    module whose forward a step calls: the training loop passes its
+    :class:`~cluster_pipeline.training.kernels.CausalLMLoss` (decoder and loss in one
+    forward), so DDP's and FSDP2's hooks see the loss's use of the head."""
     if not dist.is_initialized():
         return model
     if cfg.parallelism == "ddp":

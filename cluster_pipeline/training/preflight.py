@@ -13,26 +13,26 @@ import sys
 from pathlib import Path
 
 from cluster_pipeline.storage.cache import stable_hash
-from cluster_pipeline.training.config import TrainSettings
+from cluster_pipeline.training.config import SPEED_ONLY_SETTINGS, TrainSettings
 from cluster_pipeline.training.memory import (
-    activation_bytes,
+    MemoryEstimate,
+    ModelShape,
     available_bytes_per_rank,
     check_training_memory,
-    parameter_count,
 )
 
 
 def check_training_fits(
     model_path: str, settings: TrainSettings, world_size: int, agents: int, remote: bool
-) -> int:
+) -> MemoryEstimate:
     """Refuse a run that cannot start: ``world_size`` ranks not divisible over ``agents``
     torchrun agents, a model that does not fit in this machine's memory per rank (weights,
     gradients, AdamW state, activations; ``remote`` machines such as Slurm nodes are not
     checked), or LoRA target modules that match nothing.
 
     Returns:
-        The estimated bytes per rank (:func:`~cluster_pipeline.training.memory.
-        check_training_memory`).
+        The estimated peak per rank (:func:`~cluster_pipeline.training.memory.
+        training_estimate`).
 
     Raises:
         ValueError: the ranks do not divide, or unknown LoRA targets (the message lists the
@@ -47,16 +47,7 @@ def check_training_fits(
             "the number of clusters a multiple of it"
         )
     available = sys.maxsize if remote else available_bytes_per_rank(world_size // agents)
-    needed = check_training_memory(
-        parameter_count(model_path),
-        settings,
-        world_size,
-        available,
-        activations=activation_bytes(model_path, settings),
-        checkpointed_activations=activation_bytes(
-            model_path, settings.model_copy(update={"gradient_checkpointing": True})
-        ),
-    )
+    needed = check_training_memory(ModelShape.of(model_path), settings, world_size, available)
     check_lora_targets(model_path, settings)
     return needed
 
@@ -71,6 +62,10 @@ def checkpoint_folder(
     """``<run_dir>/<manifest set hash[:12]>-<hash of model, data and settings>``: the same
     manifests, sample contents, model and settings give the same folder, so a re-executed run
     resumes from the interrupted one's latest checkpoint and a finished one is reused, also after
-    raw_instructions was re-materialized with unchanged data (a new table version)."""
-    digest = stable_hash(model_path, data_fingerprint, settings.model_dump(), length=8)
+    raw_instructions was re-materialized with unchanged data (a new table version). The
+    settings that change only a step's speed (:data:`~cluster_pipeline.training.config.
+    SPEED_ONLY_SETTINGS`) are left out: the folder of a run is the one it had before they
+    existed."""
+    identity = settings.model_dump(exclude=set(SPEED_ONLY_SETTINGS))
+    digest = stable_hash(model_path, data_fingerprint, identity, length=8)
     return run_dir / f"{manifest_set_sha256[:12]}-{digest}"

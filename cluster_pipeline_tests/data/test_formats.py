@@ -16,6 +16,7 @@ from cluster_pipeline.data.formats import (
     read_dataset_folder,
     sample_id,
 )
+from cluster_pipeline_tests.data.ids import structural_id
 from cluster_pipeline_tests.helpers import SHARED_DATASETS
 
 # Assistant turns per dialogue, counted from the raw file with json and collections.Counter.
@@ -64,7 +65,7 @@ def test_every_form_normalises(record, form, prompt, response, system):
     assert (s.source_file, s.source_line) == ("f.jsonl", 7)
 
 
-def test_multi_turn_records_keep_every_turn_and_their_old_sample_id():
+def test_multi_turn_records_keep_every_turn_and_hash_them():
     record = {
         "conversations": [
             {"from": "system", "value": "sys"},
@@ -88,8 +89,10 @@ def test_multi_turn_records_keep_every_turn_and_their_old_sample_id():
         {"role": "assistant", "content": "A2"},
     ]
     assert s.prompt == ("User: Q1\n\nAssistant: A1\n\nUser: Q2\n\nAssistant: f(x)\n\nTool: 42")
-    # The id hashes (system, flattened prompt, last answer) as before turns were kept.
-    assert s.sample_id == sample_id("sys", s.prompt, "A2")
+    # The id hashes the kept turns as they stand (issue 43), not the flattened text, which an
+    # earlier version hashed (system, flattened prompt, last answer).
+    assert s.sample_id == structural_id(json.loads(s.messages or "null"))
+    assert s.sample_id != sample_id("sys", s.prompt, "A2", None, None)
     single = normalise_record(
         {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
         "f",
@@ -534,8 +537,8 @@ def test_tool_calling_sharegpt_keeps_its_tools_and_turns():
     assert s.prompt == f"User: Area of a square of side 7?\n\nAssistant: {CALL}\n\nTool: " + (
         '{"area": 49}'
     )
-    assert s.sample_id == sample_id("", s.prompt, "It is 49.", json.dumps(wrapped))
-    assert s.sample_id != sample_id("", s.prompt, "It is 49.")
+    assert s.sample_id == structural_id(json.loads(s.messages or "null"), json.dumps(wrapped))
+    assert s.sample_id != structural_id(json.loads(s.messages or "null"))
     # A list rather than a string holding one, and already wrapped schemas: the same tools.
     assert normalise_record(_glaive(GLAIVE_TOOLS), "f", 1).tools == s.tools
     assert normalise_record(_glaive(wrapped), "f", 1).tools == s.tools

@@ -1,6 +1,7 @@
 """The selection chain's eager condition, evaluated by Dagster itself on a two-asset graph: a run
 of one of the project's jobs never makes the automation sensor start a child again, unasked;
-an update made outside the jobs still does.
+an update made outside the jobs still does, but only when it changed the parent's data: an
+unchanged input (the same data version) is no update (issue 43).
 
 The kind: Dagster's ``eager()`` skips a parent's update "executed with the root target" only
 when the run lists its assets. A whole-job run lists none, so every way the child's own step of
@@ -11,6 +12,12 @@ unasked run with the stages' default config. Members tested here: the failed chi
 job run (the deterministic one), a job run without the tag (Dagster's own behaviour, the
 control), and the updates that must still be followed: an asset-selection run of the parent
 alone and a reported (runless) parent materialization.
+
+The second kind, "the parent was materialized again": with the same data version (the CLI's
+re-read of unchanged files: issue 43's sensor then re-ran the whole chain with the default
+config), with a new one, and without one of its own (Dagster gives each materialization a new
+version: the training stage's case). The real stages' data versions are checked in
+test_settings_kept_e2e.py.
 """
 
 import dagster as dg
@@ -129,3 +136,45 @@ def test_every_job_run_carries_the_tag_and_every_selection_stage_uses_the_condit
 def _labels(condition: dg.AutomationCondition) -> set[str]:
     """Every label in a condition's tree."""
     return {condition.get_label() or "", *(x for c in condition.children for x in _labels(c))}
+
+
+class VersionConfig(dg.Config):
+    version: str | None = "v1"
+
+
+def _versioned_graph(condition: dg.AutomationCondition) -> list[dg.AssetsDefinition]:
+    @dg.asset
+    def parent(config: VersionConfig) -> dg.MaterializeResult:
+        version = None if config.version is None else dg.DataVersion(config.version)
+        return dg.MaterializeResult(data_version=version)
+
+    @dg.asset(deps=[parent], automation_condition=condition)
+    def child() -> None:
+        return None
+
+    return [parent, child]
+
+
+@pytest.mark.parametrize(
+    ("condition", "version", "expected"),
+    [
+        (eager(), "v1", 0),  # the same content again: not an update
+        (eager(), "v2", 1),  # new content
+        (eager(), None, 1),  # no data version of its own: every materialization is new
+        # Dagster's own eager() on the same re-read: the unasked run (the defect's kind).
+        (dg.AutomationCondition.eager(), "v1", 1),
+    ],
+)
+def test_only_a_parent_whose_data_changed_is_followed(condition, version, expected):
+    assets = _versioned_graph(condition)
+    with dg.DagsterInstance.ephemeral() as instance:
+        cursor = _settled(assets, instance)
+        dg.materialize(
+            assets,
+            selection=[assets[0]],
+            instance=instance,
+            run_config={"ops": {"parent": {"config": {"version": version}}}},
+        )
+        count, cursor = _requested(assets, instance, cursor)
+        assert count == expected
+        assert _requested(assets, instance, cursor)[0] == 0

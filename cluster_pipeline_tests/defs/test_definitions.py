@@ -176,17 +176,11 @@ def test_torchrun_command_lines():
     ],
 )
 def test_run_config_errors_name_the_knob(cls, kwargs, message):
-    import importlib
-
     import pydantic
 
-    module = {
-        "PeripheralSubsetsConfig": "peripheral_subsets",
-        "BalancedClustersConfig": "balanced_clusters",
-        "TrainedCheckpointConfig": "trained_checkpoint",
-        "EvalReportConfig": "eval_report",
-    }[cls]
-    config_cls = getattr(importlib.import_module(f"cluster_pipeline.defs.assets.{module}"), cls)
+    from cluster_pipeline.defs import configs
+
+    config_cls = getattr(configs, cls)
     with pytest.raises(pydantic.ValidationError, match=message):
         config_cls(**kwargs)
     assert all(f.description for f in config_cls.model_fields.values())

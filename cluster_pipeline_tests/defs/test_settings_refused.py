@@ -1,12 +1,18 @@
 """Bad settings are refused before the run's first step does any work, in one line naming
-``<stage>.<knob> = <value>: <rule>`` (issue 23, item 6), from a shell as the README shows
-(``dagster asset materialize -c``); the daemon's path is in test_orphans.py."""
+``<stage>.<knob> = <value>: <rule>`` (issue 23, item 6; docs/guide/settings.md), from a shell as
+docs/guide/your-own-data.md shows (``dagster asset materialize -c``); the daemon's path is in
+test_orphans.py."""
 
+import json
 import time
 
 import dagster as dg
 import pytest
+import yaml
 
+from cluster_pipeline.defs.partition_settings import stored_settings
+from cluster_pipeline.storage.layout import DataLayout
+from cluster_pipeline.storage.partition_settings import PartitionSettings
 from cluster_pipeline_tests.runs import Project
 
 pytestmark = pytest.mark.slow
@@ -77,6 +83,20 @@ def test_bad_settings_are_refused_before_any_step(tmp_path, tiny_model_dir):
             "dataset 'fresh' (raw_instructions); K <= N" in out.stdout
         )
         assert not list((project.data / "cache").rglob("fresh/**/embed_job.json"))
+        # The refused run's launch recorded its knobs as the partition's settings; refused in
+        # a step, it takes them back and says so: the sensor, the schedule and a re-execution
+        # must not run with num_clusters 100 (a new user's trial, 2026-12-05).
+        line = next(line for line in out.stdout.splitlines() if "more clusters than" in line)
+        given_back = line.split("this run's settings are not kept for dataset partition 'fresh': ")
+        assert len(given_back) == 2, line
+        # Every knob the launch gave (the stage configs of its run config) was new: unset again.
+        launched = yaml.safe_load(project.root.joinpath("fresh.yaml").read_text())["ops"]
+        assert given_back[1].removesuffix(")").split(", ") == [
+            f"{stage}.{knob}: {json.dumps(value)} -> (default)"
+            for stage in sorted(launched)
+            for knob, value in sorted(launched[stage]["config"].items())
+        ]
+        assert stored_settings(DataLayout.at(project.data), "fresh") == PartitionSettings("fresh")
 
         # A choice Dagster's schema knows (a Literal) is refused by Dagster itself at launch,
         # before any run exists; its CLI prints its own error (with a traceback).

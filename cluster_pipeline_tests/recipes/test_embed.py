@@ -94,4 +94,4 @@ def test_a_killed_run_resumes_with_only_the_missing_chunks(tmp_path, tiny_model_
     f_cut, m_cut = _matrix(cut, ids)
     assert f_cut["sample_id"].to_list() == ids
     np.testing.assert_allclose(m_cut, m_ref, rtol=1e-6, atol=1e-8)
-    assert not list((tmp_path / "cut").glob("*.tmp-rank*"))
+    assert not list((tmp_path / "cut").glob(".chunk_*.tmp-*"))  # no half-written chunk left

@@ -397,21 +397,19 @@ def test_measuring_the_inter_rank_gradient_cosine_does_not_change_training(
         torch.testing.assert_close(measured[name], plain[name], rtol=1e-5, atol=1e-6)
 
 
-def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
-    """16 bytes per parameter under DDP, / ranks under FSDP, 4 for LoRA's frozen weights
-    (hand-checked), and a 1B Llama config counted on the meta device without weights."""
+# A 1B Llama's shape (18 layers of width 2,048, MLP 5,632, 32 heads, 49,152 words): its
+# parameters counted by hand in test_a_model_shape_is_read_from_its_config.
+BIG = dict(layers=18, hidden=2048, intermediate=5632, heads=32, vocab=49152)
+BIG_P = 912_336_896
+
+
+def test_a_model_shape_is_read_from_its_config(tmp_path):
+    """Parameters counted on the meta device without weights, and the widths the estimate
+    uses, from a 1B Llama config."""
     from transformers import LlamaConfig
 
-    from cluster_pipeline.training.memory import (
-        TrainingMemoryError,
-        check_training_memory,
-        parameter_count,
-        training_bytes_per_rank,
-    )
+    from cluster_pipeline.training.memory import ModelShape, parameter_count
 
-    assert training_bytes_per_rank(10**9, 10**9, "ddp", 2) == 16 * 10**9
-    assert training_bytes_per_rank(10**9, 10**9, "fsdp", 2) == 8 * 10**9
-    assert training_bytes_per_rank(10**9, 0, "ddp", 2) == 4 * 10**9
     LlamaConfig(
         vocab_size=49152,
         hidden_size=2048,
@@ -424,45 +422,192 @@ def test_the_memory_estimate_refuses_what_cannot_fit(tmp_path):
     # 49152 x 2048 embedding + 18 x (attention 2048 x (2048 + 2 x 512 + 2048) + MLP 3 x
     # 2048 x 5632 + 2 norms x 2048) + final norm 2048.
     n = 49152 * 2048 + 18 * (2048 * (2048 + 2 * 512 + 2048) + 3 * 2048 * 5632 + 2 * 2048) + 2048
-    assert parameter_count(str(tmp_path)) == n == 912_336_896
-    twelve_gib = 12 * 2**30  # a 24 GiB machine, 2 ranks
-    with pytest.raises(TrainingMemoryError) as refused:
-        check_training_memory(n, TrainSettings(parallelism="ddp"), 2, twelve_gib)
-    assert str(refused.value) == (
-        "training needs about 13.6 GiB per rank (912M parameters, parallelism ddp, 2 ranks; "
-        "activations aside) but 12.0 GiB is available per rank; use parallelism: fsdp "
-        "(6.8 GiB per rank), or lora_r > 0 (3.4 GiB per rank), or a machine with more memory"
+    assert parameter_count(str(tmp_path)) == n == BIG_P
+    assert ModelShape.of(str(tmp_path)) == ModelShape(parameters=n, **BIG)
+
+
+def test_a_saved_models_shape_is_read_without_transformers(tmp_path):
+    """A saved folder's parameters come from its safetensors headers and its widths from
+    config.json: the same as the meta-device count, for one file (tied embeddings stored
+    once) and for shards, with neither transformers nor torch imported (they cost a fresh
+    Dagster step worker about 6 s)."""
+    import subprocess
+    import sys
+
+    from cluster_pipeline_tests.helpers import build_model
+
+    # The tests' tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads, 2 key-value heads), tied:
+    # 400 x 32 embedding (tied: once) + 2 x (attention 32 x (32 + 2 x 16 + 32) + MLP 3 x 32 x
+    # 64 + 2 norms x 32) + final norm 32.
+    n = 400 * 32 + 2 * (32 * (32 + 2 * 16 + 32) + 3 * 32 * 64 + 2 * 32) + 32
+    assert n == 31_392
+    one, shards = tmp_path / "one", tmp_path / "shards"
+    model = build_model(400, tie_word_embeddings=True)
+    model.save_pretrained(one)
+    model.save_pretrained(shards, max_shard_size="20KB")
+    assert len(list(shards.glob("model-*.safetensors"))) > 1
+    probe = (
+        "import sys\n"
+        "from cluster_pipeline.training.memory import ModelShape\n"
+        "for path in sys.argv[1:]:\n"
+        "    s = ModelShape.of(path)\n"
+        "    print(s.parameters, s.layers, s.hidden, s.intermediate, s.heads, s.vocab)\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
     )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(one), str(shards)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out == [f"{n} 2 32 64 4 400", f"{n} 2 32 64 4 400", "False False"]
+
+
+def test_a_config_without_the_standard_keys_is_read_by_transformers(tmp_path):
+    """GPT-2 names its widths n_embd/n_layer/n_head: its shape comes from AutoConfig (which maps
+    them) and its parameters from the meta device where no weights are saved."""
+    from transformers import GPT2Config
+
+    from cluster_pipeline.training.memory import ModelShape
+
+    GPT2Config(vocab_size=100, n_positions=16, n_embd=8, n_layer=2, n_head=2).save_pretrained(
+        tmp_path
+    )
+    # wte 100 x 8 + wpe 16 x 8 + 2 x (ln 2 x 2 x 8 + c_attn 8 x 24 + 24 + c_proj 8 x 8 + 8 +
+    # c_fc 8 x 32 + 32 + c_proj 32 x 8 + 8) + ln_f 2 x 8 (the head tied to wte).
+    block = 2 * 2 * 8 + 8 * 24 + 24 + 8 * 8 + 8 + 8 * 32 + 32 + 32 * 8 + 8
+    n = 100 * 8 + 16 * 8 + 2 * block + 2 * 8
+    assert ModelShape.of(str(tmp_path)) == ModelShape(n, 2, 8, 32, 2, 100)
+
+
+def test_the_training_estimate_counts_each_part_by_hand():
+    """Hand-checked for SmolLM2-135M's shape, packed 1,024-token micro-batches in rows of 512,
+    DDP at 2 ranks: 4 bytes x (weights P, gradients P, DDP buckets P, AdamW 2P), and the
+    activations 1,024 tokens x 30 layers x (12 x 576 + 4 x 1,536 + 9 heads x 512) + 3 x
+    1,024 x 49,152 logits, each 4 bytes; FSDP divides the state by the ranks and has no
+    buckets; LoRA trains no parameter; checkpointing keeps the layers' inputs and one layer."""
+    from cluster_pipeline.training import memory
+    from cluster_pipeline.training.memory import ModelShape, training_estimate
+
+    smol = ModelShape(134_515_008, 30, 576, 1536, 9, 49152)
+    p = smol.parameters
+    process = memory.PROCESS_BYTES["train"]
+    per_layer = 12 * 576 + 4 * 1536 + 9 * 512
+    acts = 4 * (1024 * 30 * per_layer + 3 * 1024 * 49152)
+    ddp = training_estimate(smol, TrainSettings(), 2)
+    assert dict(ddp.parts) == {
+        "process": process,
+        "weights": 4 * p,
+        "gradients": 4 * p,
+        "DDP buckets": 4 * p,
+        "AdamW moments": 8 * p,
+        "activations": acts,
+    }
+    assert ddp.total == process + 20 * p + acts
+    fsdp = training_estimate(smol, TrainSettings(parallelism="fsdp"), 2)
+    assert fsdp.total == process + 4 * p // 2 + 4 * p // 2 + 8 * p // 2 + acts
+    lora = training_estimate(smol, TrainSettings(lora_r=8), 2)
+    assert lora.total == process + 4 * p + acts
+    # One rank: no buckets. Padded batches: per_device_batch_size x max_length tokens, rows of
+    # max_length.
+    padded = TrainSettings(packing=False, per_device_batch_size=2, max_length=128)
+    alone = training_estimate(smol, padded, 1)
+    assert alone.part("DDP buckets") == 0
+    assert alone.part("activations") == 4 * (
+        256 * 30 * (12 * 576 + 4 * 1536 + 9 * 128) + 3 * 256 * 49152
+    )
+    checkpointed = training_estimate(
+        smol, padded.model_copy(update={"gradient_checkpointing": True}), 1
+    )
+    assert checkpointed.part("activations") == 4 * (
+        256 * (30 * 576 + 12 * 576 + 4 * 1536 + 9 * 128) + 3 * 256 * 49152
+    )
+
+
+def test_the_inference_estimates_count_one_batch_and_the_weights():
+    """The embedding pass: the process, 4 bytes a weight and one batch's transients (8,192
+    tokens in rows of 512: 6 x 576 + 3 x 1,536 + 3 x 9 heads x 512 values a token, or 2 x
+    1,024 rows of logits, or the checkpoint's copy while loading, whichever is larger: here the
+    layer's); evaluation the same, or the generation's cache where that is larger."""
+    from cluster_pipeline.evaluation.suites import EvalSettings
+    from cluster_pipeline.training import memory
+    from cluster_pipeline.training.config import EmbedSettings
+    from cluster_pipeline.training.memory import (
+        ModelShape,
+        embedding_estimate,
+        evaluation_estimate,
+    )
+
+    smol = ModelShape(134_515_008, 30, 576, 1536, 9, 49152)
+    layer, logits = 8192 * (6 * 576 + 3 * 1536 + 3 * 9 * 512), 2 * 1024 * 49152
+    assert layer > logits
+    batch = 4 * layer
+    embed = embedding_estimate(smol, EmbedSettings())
+    assert embed.total == memory.PROCESS_BYTES["embed"] + 4 * smol.parameters + batch
+    evaluation = evaluation_estimate(smol, EvalSettings())
+    assert evaluation.total == memory.PROCESS_BYTES["evaluate"] + 4 * smol.parameters + batch
+    # 64 prompts x (2,048 + 2,048) positions: the key-value cache is the larger part.
+    wide = EvalSettings(batch_size=64, max_length=2048, max_new_tokens=2048)
+    cache = 4 * 64 * 4096 * 30 * 2 * 576
+    assert evaluation_estimate(smol, wide).part("transient") == cache > batch
+    # Short batches: the checkpoint's copy while the model loads, 4 bytes a parameter, is the
+    # largest transient.
+    short = EmbedSettings(max_batch_tokens=2048, max_packed_length=256)
+    assert embedding_estimate(smol, short).part("transient") == 4 * smol.parameters
+    # A pass of 600 tokens fills no 8,192-token batch: one batch of 600 tokens in rows of 512;
+    # 300 tokens, one row of 300.
+    tiny = ModelShape(44_192, 2, 32, 64, 4, 400)
+    layer = 600 * (6 * 32 + 3 * 64 + 3 * 4 * 512)
+    assert embedding_estimate(tiny, EmbedSettings(), tokens=600).part("transient") == 4 * layer
+    assert evaluation_estimate(tiny, EvalSettings(), tokens=600).part("transient") == 4 * layer
+    short_pass = 4 * 300 * (6 * 32 + 3 * 64 + 3 * 4 * 300)
+    assert embedding_estimate(tiny, EmbedSettings(), tokens=300).part("transient") == short_pass
+
+
+def test_the_memory_check_refuses_what_cannot_fit_and_says_what_would():
+    from cluster_pipeline.training.memory import (
+        GIB,
+        ModelShape,
+        TrainingMemoryError,
+        check_training_memory,
+        training_estimate,
+    )
+
+    big = ModelShape(parameters=BIG_P, **BIG)
+    budget = 14 * GIB  # a 28 GiB machine, 2 ranks
+    ddp = TrainSettings(parallelism="ddp")
+
+    def way(cfg: TrainSettings, available: int = budget) -> str:
+        need = training_estimate(big, cfg, 2).total
+        return f"{need / GIB:.1f} GiB per rank{'' if need <= available else ', not enough alone'}"
+
     with pytest.raises(TrainingMemoryError) as refused:
-        check_training_memory(n, TrainSettings(parallelism="fsdp", lora_r=8), 2, 2**30)
+        check_training_memory(big, ddp, 2, budget)
+    acts = training_estimate(big, ddp, 2).part("activations") / GIB
+    need = training_estimate(big, ddp, 2).total / GIB
+    assert str(refused.value) == (
+        f"training needs about {need:.1f} GiB per rank (912M parameters, parallelism ddp, 2 "
+        f"ranks; {acts:.1f} GiB of it activations) but 14.0 GiB is available per rank; use "
+        f"parallelism: fsdp ({way(TrainSettings(parallelism='fsdp'))}), or "
+        f"lora_r > 0 ({way(TrainSettings(lora_r=8))}), or gradient_checkpointing: "
+        f"true ({way(TrainSettings(gradient_checkpointing=True))}), or a smaller "
+        "max_tokens_per_micro_batch or max_length (activations grow with both), or a machine "
+        "with more memory"
+    )
+    # 20 bytes a parameter under DDP is 17 GiB before any activation; FSDP's 8 at 2 ranks fit.
+    assert need * GIB > 20 * BIG_P > budget
+    assert "not enough alone" not in way(TrainSettings(parallelism="fsdp"))
+    with pytest.raises(TrainingMemoryError) as refused:
+        check_training_memory(big, TrainSettings(parallelism="fsdp", lora_r=8), 2, GIB)
+    small = TrainSettings(parallelism="fsdp", lora_r=8, gradient_checkpointing=True)
     assert str(refused.value).endswith(
-        "(912M parameters, parallelism fsdp, LoRA, 2 ranks; activations aside) but 1.0 GiB is "
-        "available per rank; use more ranks (balanced_clusters.num_clusters)"
+        f"but 1.0 GiB is available per rank; use gradient_checkpointing: true "
+        f"({way(small, GIB)}), or a smaller max_tokens_per_micro_batch or max_length "
+        "(activations grow with both), or more ranks (balanced_clusters.num_clusters)"
     )
-    # Activations dominate (2 GiB, 0.5 GiB with checkpointing): the ways say which would fit.
-    with pytest.raises(TrainingMemoryError) as refused:
-        check_training_memory(
-            10**8,
-            TrainSettings(packing=False),
-            2,
-            3 * 2**30,
-            2 * 2**30,
-            checkpointed_activations=2**29,
-        )
-    assert str(refused.value) == (
-        "training needs about 3.5 GiB per rank (100M parameters, parallelism ddp, 2 ranks; "
-        "2.0 GiB of it activations) but 3.0 GiB is available per rank; use parallelism: fsdp "
-        "(2.7 GiB per rank), or lora_r > 0 (2.4 GiB per rank), or gradient_checkpointing: "
-        "true (2.0 GiB per rank), or a smaller per_device_batch_size or max_length "
-        "(activations grow with both), or a machine with more memory"
-    )
-    with pytest.raises(TrainingMemoryError, match=r"fsdp \(2.7 GiB per rank, not enough alone\)"):
-        check_training_memory(10**8, TrainSettings(), 2, int(2.6 * 2**30), 2 * 2**30)
-    # Packed micro-batches: the advice names their knob.
-    with pytest.raises(TrainingMemoryError, match="a smaller max_tokens_per_micro_batch"):
-        check_training_memory(10**8, TrainSettings(), 2, 3 * 2**30, 2 * 2**30)
-    assert check_training_memory(n, TrainSettings(parallelism="fsdp"), 2, twelve_gib) == 8 * n
-    assert check_training_memory(n, TrainSettings(lora_r=8), 2, twelve_gib) == 4 * n
+    assert way(small, GIB).endswith("not enough alone")
+    fits = check_training_memory(big, TrainSettings(parallelism="fsdp"), 2, budget)
+    assert fits == training_estimate(big, TrainSettings(parallelism="fsdp"), 2)
 
 
 def test_lora_targets_that_match_no_module_are_refused_before_launch(tiny_model_dir):
@@ -516,30 +661,61 @@ def test_the_export_of_a_gathered_state_keeps_tied_embeddings(lora_r):
     assert base.config.tie_word_embeddings is True
 
 
-def test_the_activation_estimate_counts_tokens_layers_and_logits(tmp_path):
-    """Hand-checked: 2 x 128 tokens x 4 bytes x (30 layers x 576 x 17 + 2 x 49152 logits) for
-    SmolLM2-135M's shape; with gradient checkpointing 30 layer inputs + one layer's 17; and it
-    is added to the estimate the check compares."""
-    from transformers import LlamaConfig
-
-    from cluster_pipeline.training.memory import activation_bytes, check_training_memory
-
-    LlamaConfig(
-        vocab_size=49152, hidden_size=576, num_hidden_layers=30, intermediate_size=1536
-    ).save_pretrained(tmp_path)
-    cfg = TrainSettings(per_device_batch_size=2, max_length=128, packing=False)
-    assert activation_bytes(str(tmp_path), cfg) == 256 * 4 * (30 * 576 * 17 + 2 * 49152)
-    # Packed: max_tokens_per_micro_batch tokens (1,024 by default), not batch x max_length.
-    packed = TrainSettings(per_device_batch_size=2, max_length=128)
-    assert activation_bytes(str(tmp_path), packed) == 1024 * 4 * (30 * 576 * 17 + 2 * 49152)
-    checkpointed = cfg.model_copy(update={"gradient_checkpointing": True})
-    assert activation_bytes(str(tmp_path), checkpointed) == 256 * 4 * (
-        30 * 576 + 576 * 17 + 2 * 49152
-    )
-    assert check_training_memory(10**6, cfg, 2, 2**40, activations=123) == 16 * 10**6 + 123
-
-
 def test_the_step_eta_is_the_mean_step_time_times_the_steps_left():
     assert step_eta(2, 5, 30.0) == ", ETA 75 s"  # 15 s a step, 5 left
     assert step_eta(3, 0, 30.0) == ""  # the last step: nothing left
     assert step_eta(0, 7, 0.0) == ""  # resumed, no step of this process yet
+
+
+class _Capture:
+    """A Reporter of rank 0 that keeps what it is given (the asset's materialization metadata
+    and the warnings), where Pipes would carry them to Dagster."""
+
+    def __init__(self):
+        self.metadata: dict[str, Any] = {}
+        self.warnings: list[str] = []
+
+    def info(self, message: str) -> None:
+        pass
+
+    def doing(self, what: str, say: bool = True) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def materialization(self, metadata: dict) -> None:
+        self.metadata = metadata
+
+
+def test_a_refused_packing_is_a_warning_in_the_assets_metadata(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """A model the packing gate refuses trains padded, and the refusal, with its figures, is in
+    the materialization metadata the trained_checkpoint asset shows (``warnings``, ``packed:
+    false``) and in training_info.json, not only in the log. The gate's verdict is given here
+    (its own tests are in cluster_pipeline_tests/data/test_packing.py); the loop is real."""
+    from cluster_pipeline.data.packing import PackCheck
+    from cluster_pipeline.training import loop
+    from cluster_pipeline.training.distributed import DistEnv
+
+    refused = PackCheck(False, 0.134, 0.0253, 0.244, 0.0982, "torch.bfloat16", 0.389)
+    monkeypatch.setattr(loop, "pack_check", lambda model, **kw: refused)
+    cfg, _ = train_job(tmp_path, tiny_model_dir, [1.0], per_rank=4, packing=True, max_steps=1)
+    report = _Capture()
+    loop.train(cfg, DistEnv(0, 0, 1), report)  # pyright: ignore[reportArgumentType]
+    want = (
+        "LlamaForCausalLM attends across packed samples: a sample's logits moved by 0.134 when "
+        "the sample before it in the row changed (bound 0.0253 for torch.bfloat16) "
+        "(data/packing.pack_check): training with padded batches of per_device_batch_size"
+    )
+    assert report.metadata["warnings"] == [want] and report.metadata["packed"] is False
+    assert want in report.warnings
+    assert report.metadata["step_kernels"] == (
+        "attention: sdpa, loss: chunked, compiled_layers: 0, optimizer: AdamW (for-each)"
+    )
+    # Every value is one Dagster Pipes takes as raw metadata (the e2e test sends it through).
+    assert all(isinstance(v, str | int | float | bool | list) for v in report.metadata.values())
+    info = json.loads((Path(cfg.output_dir) / "training_info.json").read_text())
+    assert info["warnings"] == [want] and info["packed"] is False
+    assert "mfu" not in info  # a CPU run claims no MFU

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -116,6 +117,25 @@ def webserver(tmp_path_factory, tiny_model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+# A laptop's browser window (issue 44): every answer and figure must fit it whole.
+WINDOW: Any = {"width": 1400, "height": 900}  # playwright's ViewportSize
+
+# Inside an element: what a 1,400-px window does not show of it. Every descendant that is cut
+# (its content wider than its box while it hides or ellipsizes the rest) or reaches past the
+# window's right edge, as [tag, its text's start].
+CUT_JS = """root => {
+  const cut = [];
+  for (const e of [root, ...root.querySelectorAll('*')]) {
+    const s = getComputedStyle(e);
+    const hides = s.overflowX !== 'visible' || s.textOverflow === 'ellipsis';
+    const past = e.getBoundingClientRect().right > window.innerWidth + 0.5;
+    if ((hides && e.scrollWidth > e.clientWidth + 1) || past)
+      cut.push([e.tagName, (e.innerText || '').slice(0, 60)]);
+  }
+  return cut;
+}"""
+
+
 @contextmanager
 def browser_page() -> Iterator:
     """A headless chromium page (1400 x 900); screenshots go under ARTIFACTS."""
@@ -124,7 +144,7 @@ def browser_page() -> Iterator:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page = browser.new_page(viewport=WINDOW)
         try:
             yield page
         finally:
@@ -141,13 +161,14 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         page.goto(f"{url}/locations/cluster_pipeline/jobs/selection_job", wait_until="networkidle")
         page.get_by_role("button", name="Materialize all…").click()
         # sample_lineage (in the job) depends on trained_checkpoint (not in it), so Dagster asks
-        # first; the lineage does not need a checkpoint (README: "confirm").
+        # first; the lineage does not need a checkpoint (docs/guide/web-ui.md: "confirm").
         dialog = page.locator("[role=dialog]").filter(has_text="Are you sure?")
         dialog.wait_for(timeout=30000)
         assert dialog.locator("li").all_inner_texts() == ["trained_checkpoint"]
         dialog.get_by_role("button", name="Confirm").click()
         page.get_by_text("Select a partition or create one").click()
-        page.locator("span", has_text="tiny").first.click()
+        # The list holds every registered partition (python_stdlib too): pick the tiny one.
+        page.get_by_text("tiny", exact=True).first.click()
         page.get_by_text("Launch runs to materialize").click()  # closes the partition list
         page.screenshot(path=ARTIFACTS / "02_launch_dialog.png")
         page.get_by_role("button", name="Launch 1 run").click()
@@ -172,7 +193,14 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
         page.get_by_text("cluster_sizes_plot").first.wait_for(timeout=30000)
         page.wait_for_timeout(1500)
         page.screenshot(path=ARTIFACTS / "04_balanced_clusters.png", full_page=True)
-        row = page.locator("tr").filter(has=page.get_by_text("preview", exact=True)).first
+        key = page.locator("td:first-child").get_by_text("preview", exact=True)
+        try:
+            key.first.wait_for(timeout=60000)
+        except Exception as e:  # say what the page held instead (CI's log is all there is)
+            page.screenshot(path=ARTIFACTS / "04_balanced_clusters_no_preview.png", full_page=True)
+            keys = page.locator("td:first-child").all_inner_texts()
+            raise AssertionError(f"no 'preview' metadata row; the rows: {keys}") from e
+        row = page.locator("tr").filter(has=key).first
         row.scroll_into_view_if_needed()
         # Short Markdown renders inline in the metadata table.
         table = row.locator("table").first
@@ -182,7 +210,24 @@ def test_materialize_the_selection_chain_from_the_ui(webserver):
     assert (data / "tables" / "shard_manifests" / "tiny" / "_delta_log").is_dir()
     lineage = pl.read_delta(str(data / "tables" / "sample_lineage" / "tiny"))
     assert lineage.height == 60 and lineage["checkpoints"].list.len().sum() == 0
+    _lineage_preview_shows_split(url)
     _every_figure_renders(url, home=data.parent / "dagster_home")
+
+
+def _lineage_preview_shows_split(url: str) -> None:
+    """sample_lineage's preview says why a held-out row has no cluster: its ``split`` column
+    is in view at 1,400 px, beside the selection's columns."""
+    with browser_page() as page:
+        page.goto(f"{url}/assets/sample_lineage?partition=tiny", wait_until="networkidle")
+        key = page.locator("td:first-child").get_by_text("preview", exact=True)
+        key.first.wait_for(timeout=30000)
+        table = page.locator("tr").filter(has=key).first.locator("table").first
+        table.scroll_into_view_if_needed()
+        head = table.locator("th").all_inner_texts()
+        assert head[:6] == ["sample_id", "split", "cluster", "selected", "weight", "rank"], head
+        split = table.locator("th").nth(1)
+        assert split.evaluate("th => th.getBoundingClientRect().right") <= WINDOW["width"]
+        page.screenshot(path=ARTIFACTS / "15_sample_lineage_preview.png")
 
 
 def _figure_entries(home: Path) -> None:
@@ -192,8 +237,12 @@ def _figure_entries(home: Path) -> None:
     reported to the instance as runless materializations of partition ``tiny``."""
     import dagster as dg
 
-    from cluster_pipeline.defs.assets.eval_report import answer_first, report_markdown
-    from cluster_pipeline.defs.assets.trained_checkpoint import training_display, training_plots
+    from cluster_pipeline.defs.metadata import (
+        answer_first,
+        report_markdown,
+        training_display,
+        training_plots,
+    )
     from cluster_pipeline.evaluation.report import render_report
 
     history = [
@@ -251,6 +300,10 @@ def _every_figure_renders(url: str, home: Path) -> None:
                     .first.inner_text()
                     .startswith("Net time saved: 48.0 s")
                 )
+                # Whole at 1,400 px: no word of it cut, nothing past the window's edge.
+                value = answer.first.locator("td").last
+                assert value.evaluate(CUT_JS) == []
+                assert "full-data training" in value.inner_text()
                 page.screenshot(path=ARTIFACTS / "12_eval_report_answer.png")
             if asset == "balanced_clusters" and entry == "pca_map":
                 # The Columns section: each column with its description.
@@ -263,6 +316,24 @@ def _every_figure_renders(url: str, home: Path) -> None:
             page.wait_for_timeout(500)
             widths = [i.evaluate("img => img.complete && img.naturalWidth") for i in images.all()]
             assert widths and min(widths) > 100, (asset, entry, widths)
+            # Every panel in view: the figure at its own size inside the dialog, which fits the
+            # window (plots.MAX_WIDTH_IN; the metrics figure once hid its last panel).
+            dialog = page.locator("[role=dialog]").first
+            box = dialog.evaluate("d => [d.getBoundingClientRect().right, d.clientWidth]")
+            assert box[0] <= WINDOW["width"], (asset, entry, box)
+            for image in images.all():
+                natural, shown, right = image.evaluate(
+                    "i => [i.naturalWidth, i.getBoundingClientRect().width, "
+                    "i.getBoundingClientRect().right]"
+                )
+                assert natural <= box[1] and shown == natural and right <= box[0], (
+                    asset,
+                    entry,
+                    natural,
+                    shown,
+                    right,
+                    box,
+                )
             if entry == "report":
                 # decision, metrics, time vs fraction (the hand-made runs have no loss curve)
                 assert len(widths) == 3

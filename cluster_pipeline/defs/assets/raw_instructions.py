@@ -4,43 +4,24 @@ import time
 from pathlib import Path
 
 import dagster as dg
-from pydantic import Field
 
-from cluster_pipeline.data.datasets import build_instruction_table, load_samples, source_fingerprint
-from cluster_pipeline.data.formats import DatasetFormatError, ignored_files
+from cluster_pipeline.data.datasets import (
+    STDLIB_DATASET,
+    build_instruction_table,
+    load_samples,
+    source_fingerprint,
+)
+from cluster_pipeline.data.formats import FIELDS_CONFIG_NAME, DatasetFormatError, not_read_warning
+from cluster_pipeline.data.stdlib_dataset import source_description
+from cluster_pipeline.defs.configs import RawInstructionsConfig
 from cluster_pipeline.defs.metadata import table_display
 from cluster_pipeline.defs.records import RawInstructionsRecord
 from cluster_pipeline.defs.resources import StorageResource
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation.suites import dataset_benchmarks
 from cluster_pipeline.storage.names import RAW_INSTRUCTIONS
-from cluster_pipeline.storage.tables import mean_of, write_table
-
-
-class RawInstructionsConfig(dg.Config):
-    """The reading knobs of a run: the held-out split and the pool's size."""
-
-    heldout_fraction: float = Field(
-        default=0.05,
-        ge=0.0,
-        lt=1.0,
-        description="Fraction of the deduplicated samples held out for evaluation, set aside "
-        "before any selection.",
-    )
-    max_heldout: int | None = Field(
-        default=100,
-        ge=1,
-        description="Cap on held-out samples (null = no cap; the cpu_quick default keeps 100, "
-        "which tells the trained model from the base one on python_stdlib with room to spare; "
-        "200 over 3 seeds detects a 1 % held-out loss difference, benchmarks/RESULTS.md).",
-    )
-    max_train_samples: int | None = Field(
-        default=300,
-        ge=1,
-        description="Cap on the training pool N, a seeded subset (null = all; the cpu_quick "
-        "default keeps 300).",
-    )
-    seed: int = Field(default=0, ge=0, description="Seed of the split and of the cap's subset.")
+from cluster_pipeline.storage.provenance import code_identity, files_sha256
+from cluster_pipeline.storage.tables import content_digest, mean_of, write_table
 
 
 def _relative(path: str, folder: Path) -> str:
@@ -79,14 +60,14 @@ def raw_instructions(
         raise dg.Failure(description=f"dataset {dataset!r}: {e}") from e
     table = write_table(frame, layout.table_uri(RAW_INSTRUCTIONS, dataset), guard=storage.guard)
     folder = layout.raw_dir / dataset
-    not_read = (
-        [str(p.relative_to(folder)) for p in ignored_files(folder)] if folder.is_dir() else []
-    )
-    if not_read:
-        context.log.warning(
-            f"{dataset}: {len(not_read)} file(s) not read (not .json, .jsonl, .parquet or "
-            f".arrow): {', '.join(not_read[:5])}{' ...' if len(not_read) > 5 else ''}"
-        )
+    not_read, warning = not_read_warning(dataset, folder)
+    if warning:
+        context.log.warning(warning)
+    # The source's identity: the interpreter for the built-in dataset, else every file read and
+    # the field mapping that shaped the reading, by SHA-256.
+    stdlib = dataset == STDLIB_DATASET
+    fields = [f for f in (folder / FIELDS_CONFIG_NAME,) if f.is_file()]
+    source_files = {} if stdlib else files_sha256([*stats.records_per_file, *fields], folder)
     forms = frame.group_by("form").len().sort("form")
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
@@ -112,6 +93,10 @@ def raw_instructions(
         dropped_fields=stats.dropped_fields,
         samples_with_tools=int(frame["tools"].is_not_null().sum()),
         files_not_read=not_read,
+        config=config.model_dump(mode="json"),
+        code=code_identity(),
+        source_files=source_files,
+        source=source_description() if stdlib else "",
     )
     return dg.MaterializeResult(
         metadata={
@@ -121,5 +106,7 @@ def raw_instructions(
                 RAW_INSTRUCTIONS,
                 ["sample_id", "split", "prompt", "source_file", "source_line"],
             ),
-        }
+        },
+        # The same rows read again (unchanged files) are no update for the selection chain.
+        data_version=dg.DataVersion(content_digest(frame, frame.columns)),
     )

@@ -84,15 +84,19 @@ def sample_lineage(
             **table_display(
                 frame,
                 SAMPLE_LINEAGE,
+                # What a row is first (a held-out sample has no cluster, selection or rank:
+                # its split says why), the long source path last, where a narrow window
+                # cuts it rather than the rest (issue 44).
                 [
                     "sample_id",
-                    "source_file",
-                    "source_line",
-                    "source_index",
+                    "split",
                     "cluster",
                     "selected",
-                    "rank",
                     "weight",
+                    "rank",
+                    "source_line",
+                    "source_index",
+                    "source_file",
                 ],
             ),
         }

@@ -3,8 +3,8 @@
 import time
 
 import dagster as dg
-from pydantic import Field
 
+from cluster_pipeline.defs.configs import ShardManifestsConfig
 from cluster_pipeline.defs.metadata import error_checks, table_display
 from cluster_pipeline.defs.records import PeripheralSubsetsRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
@@ -18,13 +18,8 @@ from cluster_pipeline.selection.sharding import (
     manifests_frame,
 )
 from cluster_pipeline.storage.names import PERIPHERAL_SUBSETS, SHARD_MANIFESTS
+from cluster_pipeline.storage.provenance import code_identity
 from cluster_pipeline.storage.tables import write_table
-
-
-class ShardManifestsConfig(dg.Config):
-    """The allocation knobs of a run: the seed of each shard's order."""
-
-    seed: int = Field(default=0, ge=0, description="Seed of each shard's sample order.")
 
 
 @stage_asset(
@@ -99,13 +94,16 @@ def shard_manifests(
         manifest_paths=paths,
         manifest_sha256=[m.sha256 for m in allocation.manifests],
         manifest_set_sha256=set_hash,
-        rank_weights=[m.weight for m in allocation.manifests],
+        rank_weights=[round(m.weight, 6) for m in allocation.manifests],  # shown; files exact
         balance=selection.balance,
         samples_per_rank=samples,
         tokens_per_rank=allocation.tokens_per_rank,
         token_spread=round(allocation.token_spread, 5),
+        config=config.model_dump(mode="json"),
+        code=code_identity(),
     )
     return dg.MaterializeResult(
         check_results=error_checks(checks),
         metadata={**record.to_metadata(), **table_display(shards, SHARD_MANIFESTS)},
+        data_version=dg.DataVersion(set_hash[:16]),
     )

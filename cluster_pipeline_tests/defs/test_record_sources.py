@@ -1,0 +1,59 @@
+"""A sample's source, as S2L's per-source split and balanced_random read it (issue 41: "source =
+the record's file, or a `source` column when the data has one"): its record's ``source`` field
+(S2L, schedules/s2l.py:21: ``data['source']``), else its ``dataset`` field (RDS+'s Tulu
+mixtures, scripts/construct_downsampled_balanced.py:28: ``d['dataset']``), else its file."""
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster_pipeline.data.folders import read_dataset_folder
+from cluster_pipeline.defs.pass_runner import record_sources
+
+
+def test_the_record_field_names_the_source_else_the_file(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"instruction": "q0", "output": "r0", "source": "gsm8k"},
+                {"instruction": "q1", "output": "r1"},
+                {"instruction": "q2", "output": "r2", "source": "", "dataset": "flan_v2"},
+                {"instruction": "q3", "output": "r3", "source": 7},
+            ]
+        )
+        + "\n"
+    )
+    # One line holding a JSON array: two records on line 1, told apart by source_index.
+    b = tmp_path / "b.json"
+    b.write_text(
+        json.dumps(
+            [
+                {"instruction": "q4", "output": "r4", "dataset": "oasst1"},
+                {"instruction": "q5", "output": "r5", "source": True},
+            ]
+        )
+    )
+    samples = list(read_dataset_folder(tmp_path))
+    files = [s.source_file for s in samples]
+    indices = [s.source_index for s in samples]
+    assert indices == [0, 1, 2, 3, 0, 1]
+    got = record_sources(files, indices)
+    assert got.tolist() == ["gsm8k", str(a), "flan_v2", "7", "oasst1", str(b)]
+    # Pool order is the caller's: the same samples reversed, and one without an index (a table
+    # written before source_index) keeps its file.
+    got = record_sources(files[::-1], [*indices[::-1][:5], None])
+    assert got.tolist() == [str(b), "oasst1", "7", "flan_v2", str(a), str(a)]
+    assert np.asarray(got).dtype.kind == "U"
+
+
+def test_a_gone_or_shorter_file_is_named(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text(json.dumps({"instruction": "q", "output": "r"}) + "\n")
+    with pytest.raises(ValueError, match=r"a\.jsonl: holds 1 records, but the pool names record 3"):
+        record_sources([str(a)], [3])
+    gone = str(tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match=r"gone\.jsonl: the pool's file is gone.*raw_instructions"):
+        record_sources([gone], [0])
