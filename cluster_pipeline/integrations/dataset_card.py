@@ -44,12 +44,17 @@ METHOD = (
     "CluSTER: Clustering-Based Balanced Sampling and Allocation with Data Parallelism for "
     "High-Performance Fine-Tuning"
 )
-# The method's citation. The authors' first names, venue and year are not recorded in this
-# project; BibTeX's "and others" stands for the co-authors.
-CITATION = f"""@misc{{kim_cluster,
+# The method's citation, from the authors' repository (github.com/kaist-dmlab/CluSTER, README:
+# "accepted at EMNLP 2026"). Its README leaves the BibTeX block empty and names no authors, so
+# the first author is DESIGN.md's "Kim et al., KAIST" and BibTeX's "and others" stands for the
+# co-authors; the code's address is the stable identifier until the proceedings are out.
+CITATION = f"""@inproceedings{{kim2026cluster,
   title = {{{{CluSTER}}: {METHOD.removeprefix("CluSTER: ")}}},
   author = {{Kim and others}},
-  note = {{KAIST}}
+  booktitle = {{Proceedings of EMNLP 2026}},
+  year = {{2026}},
+  note = {{KAIST}},
+  url = {{https://github.com/kaist-dmlab/CluSTER}}
 }}"""
 # The Hub's size_categories, by row count (huggingface.co/docs/hub/datasets-cards).
 _SIZES = [

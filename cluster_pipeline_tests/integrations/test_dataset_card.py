@@ -250,7 +250,10 @@ def test_the_provenance_repeats_the_selection():
 def test_the_citation_and_the_info_fields_name_the_method():
     _, body = _split(build_card(_facts(None)))
     assert f"## Citation\n\nThe selection method:\n\n```bibtex\n{CITATION}\n```" in body
+    assert CITATION.startswith("@inproceedings{kim2026cluster,")
     assert "author = {Kim and others}" in CITATION and "note = {KAIST}" in CITATION
+    assert "year = {2026}" in CITATION and "booktitle = {Proceedings of EMNLP 2026}" in CITATION
+    assert "url = {https://github.com/kaist-dmlab/CluSTER}" in CITATION
     assert "Clustering-Based Balanced Sampling and Allocation" in CITATION
     cc = SourceLicense("cc-by-4.0", None, None, None, "the front matter")
     fields = dataset_info_fields(_facts(cc).source, cc)
