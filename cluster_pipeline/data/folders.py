@@ -192,3 +192,58 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
                 f"{path}: holds no records ({empty or 'none read'}); remove the file or put the "
                 "dataset's records in it."
             )
+
+
+def record_field_values(
+    files: list[str], indices: list[int | None], fields: tuple[str, ...], used_for: str
+) -> list[str | None]:
+    """Each sample's first non-empty field of ``fields`` in the record it was read from (a
+    string or number, not a bool; a number as its ``str``): the record's ``source`` for S2L's
+    per-source split, a target record's ``task`` for LESS's and RDS+'s subtasks. The files are
+    read again, each once.
+
+    Args:
+        files: (N,) each sample's ``source_file`` ("" for none).
+        indices: (N,) each sample's ``source_index`` (0-based place among the file's records;
+            None for a table written before that column).
+        fields: the field names, first found wins.
+        used_for: what the values are for, named in the errors ("the pool's sources").
+
+    Returns:
+        (N,) the value, or None where the sample has no file or index, or its record none of
+        ``fields``.
+
+    Raises:
+        ValueError: a file is gone, or holds fewer records than an index names (it changed
+            since it was read): naming the file and what to do.
+    """
+    out: list[str | None] = [None] * len(files)
+    wanted: dict[str, dict[int, list[int]]] = {}
+    for row, (file, index) in enumerate(zip(files, indices, strict=True)):
+        if file and index is not None:
+            wanted.setdefault(file, {}).setdefault(int(index), []).append(row)
+    for file, places in wanted.items():
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(
+                f"{file}: the file is gone, so {used_for} (its records' {'/'.join(fields)} "
+                "field) cannot be read; put it back, or materialize raw_instructions again "
+                "if the file was the pool's"
+            )
+        n = -1
+        for n, (_, record) in enumerate(iter_file_records(path)):
+            if n in places and isinstance(record, dict):
+                for name in fields:
+                    value = record.get(name)
+                    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                        if str(value) == "":
+                            continue
+                        for row in places[n]:
+                            out[row] = str(value)
+                        break
+        if max(places) > n:
+            raise ValueError(
+                f"{file}: holds {n + 1} records, but {used_for} name record {max(places)} of "
+                "it: the file changed since it was read; materialize raw_instructions again"
+            )
+    return out

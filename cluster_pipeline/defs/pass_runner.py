@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from cluster_pipeline.data.datasets import samples_fingerprint
-from cluster_pipeline.data.readers import iter_file_records
+from cluster_pipeline.data.folders import record_field_values
 from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -862,7 +862,8 @@ SOURCE_FIELDS = ("source", "dataset")
 def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
     """Each sample's source, as S2L's per-source split and ``balanced_random`` read it: its
     record's ``source`` field, else its ``dataset`` field (:data:`SOURCE_FIELDS`; a string or
-    number, not empty), else the file it was read from. The files are read again, each once.
+    number, not empty), else the file it was read from
+    (:func:`~cluster_pipeline.data.folders.record_field_values`).
 
     Args:
         files: (N,) each sample's ``source_file`` ("" for none).
@@ -876,33 +877,8 @@ def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
         ValueError: a file is gone, or holds fewer records than an index names (it changed
             since ``raw_instructions`` read it): naming the file and what to do.
     """
-    out = np.array(files, dtype=object)
-    wanted: dict[str, dict[int, list[int]]] = {}
-    for row, (file, index) in enumerate(zip(files, indices, strict=True)):
-        if file and index is not None:
-            wanted.setdefault(file, {}).setdefault(int(index), []).append(row)
-    for file, places in wanted.items():
-        path = Path(file)
-        if not path.is_file():
-            raise ValueError(
-                f"{file}: the pool's file is gone, so its samples' sources (their "
-                f"{'/'.join(SOURCE_FIELDS)} field) cannot be read; put it back or materialize "
-                "raw_instructions again"
-            )
-        n = -1
-        for n, (_, record) in enumerate(iter_file_records(path)):
-            if n in places and isinstance(record, dict):
-                for name in SOURCE_FIELDS:
-                    value = record.get(name)
-                    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                        if str(value) == "":
-                            continue
-                        out[places[n]] = str(value)
-                        break
-        if max(places) > n:
-            raise ValueError(
-                f"{file}: holds {n + 1} records, but the pool names record {max(places)} of it: "
-                "the file changed since raw_instructions read it; materialize raw_instructions "
-                "again"
-            )
-    return out.astype(str)
+    values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources")
+    return np.array(
+        [file if value is None else value for file, value in zip(files, values, strict=True)],
+        dtype=str,
+    )

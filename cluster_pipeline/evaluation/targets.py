@@ -12,7 +12,8 @@ A target set is named by ``peripheral_subsets.target``:
   (``mmlu``, ``mmlu_medical``) as the question, its options and ``Answer:``, answered by the
   correct letter and option;
 - or a folder of samples in any input form (``data/formats.py``): its first ``target_size``
-  distinct samples, in file order.
+  distinct samples, in file order; a record's ``task`` field (else its file) is its task, the
+  subtask LESS averages over and RDS+ round-robins over (:func:`target_tasks`).
 
 The set is written as an instruction table (``raw_instructions``' schema, every sample in the
 ``train`` split) so the embedding pass reads it as it reads a pool.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from cluster_pipeline.data.datasets import build_instruction_table
+from cluster_pipeline.data.folders import record_field_values
 from cluster_pipeline.data.formats import Sample, read_dataset_folder
 
 # evaluation.suites imports torch; it is imported where it is used, so that the run checks (and
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from cluster_pipeline.evaluation.suites import CodeProblem
 
 TARGET_FORM = "target"
+# A target folder's record field that names its task (else the record's file is its task).
+TASK_FIELDS = ("task",)
 
 
 def _code_sample(name: str, i: int, problem: CodeProblem) -> Sample:
@@ -104,9 +108,14 @@ def target_problem(
 def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
     """The task of each target sample of ``frame`` (:func:`target_samples`' table, in its order):
     a multiple-choice benchmark's topic (MMLU's 57 subjects: the subtasks LESS averages over,
-    ``less/data_selection/matching.py:26,78-79``), a folder's file (one file per task, as RDS+
-    takes one file per evaluation set, ``minimal_multitask/get_top_aggregated_influences.py``);
-    "" for every sample of a code benchmark (no tasks).
+    ``less/data_selection/matching.py:26,78-79``); for a folder, a record's ``task`` field (a
+    string or number, not empty: issue 41's "a `task` field"), else its file (one file per
+    task, as RDS+ takes one file per evaluation set,
+    ``minimal_multitask/get_top_aggregated_influences.py``); "" for every sample of a code
+    benchmark (no tasks).
+
+    Raises:
+        ValueError: a folder's file is gone or changed since :func:`target_samples` read it.
     """
     from cluster_pipeline.evaluation.suites import SUITES
 
@@ -116,7 +125,10 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
             return [""] * len(files)
         prefix = f"{target}:"
         return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
-    return files
+    tasks = record_field_values(
+        files, frame["source_index"].to_list(), TASK_FIELDS, f"target {target!r}'s tasks"
+    )
+    return [file if task is None else task for file, task in zip(files, tasks, strict=True)]
 
 
 def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFrame:

@@ -52,8 +52,12 @@ def test_the_record_field_names_the_source_else_the_file(tmp_path):
 def test_a_gone_or_shorter_file_is_named(tmp_path):
     a = tmp_path / "a.jsonl"
     a.write_text(json.dumps({"instruction": "q", "output": "r"}) + "\n")
-    with pytest.raises(ValueError, match=r"a\.jsonl: holds 1 records, but the pool names record 3"):
+    with pytest.raises(
+        ValueError, match=r"a\.jsonl: holds 1 records, but the pool's sources name record 3"
+    ):
         record_sources([str(a)], [3])
     gone = str(tmp_path / "gone.jsonl")
-    with pytest.raises(ValueError, match=r"gone\.jsonl: the pool's file is gone.*raw_instructions"):
+    with pytest.raises(
+        ValueError, match=r"gone\.jsonl: the file is gone, so the pool's sources .*raw_instructions"
+    ):
         record_sources([gone], [0])

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster_pipeline.evaluation.targets import target_problem, target_samples
+from cluster_pipeline.evaluation.targets import target_problem, target_samples, target_tasks
 from cluster_pipeline_tests.helpers import tiny_records, write_jsonl
 
 
@@ -51,3 +51,41 @@ def test_bad_targets_are_named():
     assert "nor an existing folder" in (target_problem("humaneva", None) or "")
     with pytest.raises(ValueError, match="mbpp_reworded.json, found in none"):
         target_samples("mbpp", 4, [])
+
+
+def test_the_task_of_each_target_sample(tmp_path):
+    """The subtasks LESS averages over and RDS+ round-robins over (issue 41): a code benchmark
+    has none, MMLU's is the topic, a folder's is the record's ``task`` field, else its file."""
+    assert target_tasks(target_samples("humaneval", 3, []), "humaneval") == ["", "", ""]
+    rows = [
+        {
+            "question": f"Q{i}?",
+            **{f"answer_{c}": c for c in "abcd"},
+            "correct_answer": "A",
+            "topic": topic,
+        }
+        for i, topic in enumerate(["anatomy", "medical genetics", "anatomy"])
+    ]
+    (tmp_path / "mmlu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    frame = target_samples("mmlu_medical", 10, [tmp_path])
+    # Each question's topic, whatever order the suite loads them in.
+    topic = {f"Q{i}?": r["topic"] for i, r in enumerate(rows)}
+    expected = [topic[p.split("\n", 1)[0]] for p in frame["prompt"].to_list()]
+    assert sorted(expected) == ["anatomy", "anatomy", "medical genetics"]
+    assert target_tasks(frame, "mmlu_medical") == expected
+    folder = tmp_path / "t"
+    records = tiny_records(6)
+    write_jsonl(folder / "a.jsonl", [{**records[0], "task": "gsm8k"}, records[1]])
+    # b.jsonl: a number is its text; an empty string and a bool are no task (the file is).
+    write_jsonl(
+        folder / "b.jsonl",
+        [
+            {**records[2], "task": 7},
+            {**records[3], "task": ""},
+            {**records[4], "task": True},
+            {**records[5], "task": "gsm8k"},
+        ],
+    )
+    frame = target_samples(str(folder), 10, [])
+    a, b = str(folder / "a.jsonl"), str(folder / "b.jsonl")
+    assert target_tasks(frame, str(folder)) == ["gsm8k", a, "7", b, b, "gsm8k"]

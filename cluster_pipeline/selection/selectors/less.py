@@ -153,8 +153,8 @@ class LessKnobs(TargetKnobs):
         default="mean_max",
         description="less only: mean_max = the authors' matching.py, the influence averaged "
         "over each subtask's target samples, then the max over subtasks (a target set with at "
-        "least two tasks: MMLU's topics, a folder's files); max = the max over single target "
-        "samples whatever the tasks.",
+        "least two tasks: MMLU's topics, a folder's `task` field or files); max = the max over "
+        "single target samples whatever the tasks.",
     )
     less_projection_dim: int = Field(
         default=8192,

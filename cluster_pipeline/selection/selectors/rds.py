@@ -24,7 +24,7 @@ that target's turn is spent on it. ``top_max`` is the authors' other selection s
 ``max_j cos(i, j)``, highest first. ``round_robin_untaken`` is this project's earlier rule (each
 target skips to its best sample not yet taken, so every turn takes a new sample).
 
-Tasks. When the target set has tasks (at least two: MMLU's topics, a folder's files;
+Tasks. When the target set has tasks (at least two: MMLU's topics, a folder's `task` field or files;
 ``evaluation/targets.target_tasks``), the round-robin runs over the tasks instead of the
 target samples, as the authors' multi-task selection (``get_top_aggregated_influences.py:
 103-106,131-152``): each task t scores pool sample i by ``max_{j in t} cos(i, j)``, and in rounds
