@@ -392,6 +392,19 @@ class TargetKnobs(BaseModel):
     )
 
 
+def checkpoint_rules(
+    steps_knob: str, steps: int, checkpoints_knob: str, checkpoints: int, training: str
+) -> list[str]:
+    """A brief training's step count that its checkpoints divide (:class:`BriefTraining` saves
+    one every steps / checkpoints steps): s2l's proxy, less's warm-up."""
+    if steps % checkpoints == 0:
+        return []
+    return [
+        f"{knob(steps_knob, steps)}: must be a multiple of {checkpoints_knob} = {checkpoints} "
+        f"(the {training} saves a checkpoint every {steps_knob} / {checkpoints_knob} steps)"
+    ]
+
+
 def target_rules(knobs: TargetKnobs, facts: SelectionFacts) -> list[str]:
     """A target set that names a benchmark whose file is found, or a folder whose first
     ``target_size`` samples can be read (:attr:`SelectionFacts.target_problem`; nothing is

@@ -79,6 +79,7 @@ from cluster_pipeline.selection.passes import (
     SelectionFacts,
     TargetKnobs,
     TrainedRun,
+    checkpoint_rules,
     knob,
     target_rules,
 )
@@ -409,14 +410,13 @@ def gather(knobs: LessKnobs, pool: Pool, runner: PassRunner) -> Gathered:
 def rules(knobs: LessKnobs, facts: SelectionFacts) -> list[str]:
     """A readable target set (as rds), warm-up steps that the checkpoints divide, and a
     warm-up share of at least one sample per rank of the pool pass where N is known."""
-    problems = target_rules(knobs, facts)
-    steps, checkpoints = knobs.less_warmup_steps, knobs.less_checkpoints
-    if steps % checkpoints:
-        problems.append(
-            f"{knob('less_warmup_steps', steps)}: must be a multiple of less_checkpoints = "
-            f"{checkpoints} (the warm-up saves a checkpoint every less_warmup_steps / "
-            "less_checkpoints steps)"
-        )
+    problems = target_rules(knobs, facts) + checkpoint_rules(
+        "less_warmup_steps",
+        knobs.less_warmup_steps,
+        "less_checkpoints",
+        knobs.less_checkpoints,
+        "warm-up",
+    )
     if facts.pool_size is not None:
         share = len(warmup_share(facts.pool_size, knobs.less_warmup_fraction))
         if share < facts.world_size:

@@ -80,6 +80,7 @@ from cluster_pipeline.selection.passes import (
     PassRunner,
     Pool,
     SelectionFacts,
+    checkpoint_rules,
     knob,
 )
 from cluster_pipeline.selection.selectors.base import (
@@ -411,14 +412,9 @@ def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
 def rules(knobs: S2LKnobs, facts: SelectionFacts) -> list[str]:
     """A step count that the checkpoints divide (a checkpoint every s2l_steps /
     s2l_checkpoints steps), and at most N trajectory clusters where N is known."""
-    problems = []
-    steps, checkpoints = knobs.s2l_steps, knobs.s2l_checkpoints
-    if steps % checkpoints:
-        problems.append(
-            f"{knob('s2l_steps', steps)}: must be a multiple of s2l_checkpoints = "
-            f"{checkpoints} (the proxy saves a checkpoint every s2l_steps / s2l_checkpoints "
-            "steps)"
-        )
+    problems = checkpoint_rules(
+        "s2l_steps", knobs.s2l_steps, "s2l_checkpoints", knobs.s2l_checkpoints, "proxy"
+    )
     if facts.pool_size is not None and knobs.s2l_clusters > facts.pool_size:
         problems.append(
             f"{knob('s2l_clusters', knobs.s2l_clusters)}: more trajectory clusters than the "
