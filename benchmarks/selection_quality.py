@@ -50,6 +50,9 @@ other peripheral variant (does the capacity rule matter, does re-weighting pay),
 against ``peripheral`` and against ``balanced_random`` (when both run), and each ``@pre`` peer
 against the same peer as released. Writes
 them to --out (JSON). Ratios printed: training seconds against full data, measured in the same run.
+Every model's scores are also written, as soon as it is scored, to
+``<out>.<dataset>.partial.json``: ``--summarise`` that file (with the run's --plan, --peers and
+--ratio) gives the comparisons of a run stopped midway.
 
 The defaults (--pool 160, --heldout 160, --max-length 128, 3 seeds, 4 variants + full) train 15
 checkpoints and evaluate 16 models per dataset: about 45 minutes per dataset on an idle 2-core
@@ -146,7 +149,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     import polars as pl
 
     from cluster_pipeline.data.datasets import build_instruction_table
-    from cluster_pipeline.evaluation.report import ModelResult, aggregate, compare_groups
+    from cluster_pipeline.evaluation.report import ModelResult
     from cluster_pipeline.evaluation.statistics import gradient_diversity
     from cluster_pipeline.evaluation.suites import (
         EvalSettings,
@@ -219,6 +222,7 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
                 **extra,
             )
         )
+        save_partial(args.out, name, results)
 
     evaluate(model_path, "base", "base")
     plan = [*args.plan] + ([] if args.no_full else ["full"])
@@ -303,6 +307,33 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
     if args.peers:
         run_peers(name, args, model_path, work, train, heldout, evaluate, log)
 
+    rows, comparisons = summarise(results, args)
+    return {
+        "dataset": name,
+        "pool": len(ids),
+        "clusters": {
+            str(alpha): {
+                "kmeans_sizes": c.kmeans_sizes.tolist(),
+                "sizes": c.sizes.tolist(),
+                "weights": (2 * c.sizes / c.sizes.sum()).tolist(),
+            }
+            for alpha, c in clusters.items()
+        },
+        "heldout": heldout.height,
+        "selection_seconds": selection_s,
+        "rows": rows,
+        "comparisons": [c.to_dict() for c in comparisons],
+    }
+
+
+def summarise(results: list, args) -> tuple[list[dict], list]:
+    """The groups' rows (mean ± std over seeds) and every paired comparison of ``results``
+    (``evaluation.report.ModelResult``): each group against random_global and full (what
+    ``compare_groups`` pairs by default), the peripheral variants against ``peripheral``, each
+    peer against ``peripheral`` and ``balanced_random``, each ``@pre`` peer against the same peer
+    as released (module docstring)."""
+    from cluster_pipeline.evaluation.report import aggregate, compare_groups
+
     rows = aggregate(results, list(results[0].metrics))
     # The method's own questions: does the capacity rule matter, does re-weighting pay?
     peripheral = group_name("peripheral", args.ratio)[0]
@@ -323,23 +354,37 @@ def run_dataset(name: str, args, model_path: str, work: Path, log) -> dict:
         for p in args.peers
         if p.endswith("@pre") and p.split("@")[0] in args.peers
     ]
-    comparisons = compare_groups(results, rows, extra_pairs=extra)
-    return {
-        "dataset": name,
-        "pool": len(ids),
-        "clusters": {
-            str(alpha): {
-                "kmeans_sizes": c.kmeans_sizes.tolist(),
-                "sizes": c.sizes.tolist(),
-                "weights": (2 * c.sizes / c.sizes.sum()).tolist(),
-            }
-            for alpha, c in clusters.items()
-        },
-        "heldout": heldout.height,
-        "selection_seconds": selection_s,
-        "rows": rows,
-        "comparisons": [c.to_dict() for c in comparisons],
-    }
+    return rows, compare_groups(results, rows, extra_pairs=extra)
+
+
+def save_partial(out: Path, dataset: str, results: list) -> None:
+    """Every model scored so far (``ModelResult`` as JSON, per-item scores included) to
+    ``<out>.<dataset>.partial.json``, rewritten after each model: a run stopped midway keeps
+    what it finished, and ``--summarise`` compares it."""
+    import dataclasses
+
+    path = out.with_name(f"{out.stem}.{dataset}.partial.json")
+    rows = [dataclasses.asdict(r) for r in results]
+    path.write_text(
+        json.dumps(
+            {"dataset": dataset, "results": rows},
+            default=lambda o: o.item() if hasattr(o, "item") else str(o),
+        )
+    )
+
+
+def load_partial(path: Path) -> tuple[str, list]:
+    """The dataset and the ``ModelResult`` list of a :func:`save_partial` file."""
+    from cluster_pipeline.evaluation.report import ModelResult
+    from cluster_pipeline.evaluation.suites import ItemScores
+
+    data = json.loads(path.read_text())
+    results = []
+    for row in data["results"]:
+        row["items"] = {k: ItemScores(**v) for k, v in row["items"].items()}
+        row["loss_curve"] = [tuple(x) for x in row.get("loss_curve", [])]
+        results.append(ModelResult(**row))
+    return data["dataset"], results
 
 
 def peer_group(peer: str, args) -> str:
@@ -520,6 +565,13 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "selection_quality.json")
     p.add_argument(
+        "--summarise",
+        type=Path,
+        metavar="PARTIAL",
+        help="compare the models of a stopped run's <out>.<dataset>.partial.json (with the "
+        "run's --plan, --peers and --ratio) instead of running; writes --out",
+    )
+    p.add_argument(
         "--shared-train",
         type=Path,
         default=SHARED_TRAIN,
@@ -530,6 +582,26 @@ def main() -> None:
         POOLS[name] = [args.shared_train / f.name for f in files]
     if args.pool < 8 or args.heldout < 2 or not 0 < args.ratio < 1 or min(args.seeds) < 0:
         p.error("need --pool >= 8, --heldout >= 2, 0 < --ratio < 1 and seeds >= 0")
+    if args.summarise is not None:
+        dataset, results = load_partial(args.summarise)
+        rows, comparisons = summarise(results, args)
+        out = {
+            "dataset": f"{dataset} (partial: {len(results)} models)",
+            "pool": args.pool,
+            "heldout": args.heldout,
+            "selection_seconds": float("nan"),
+            "rows": rows,
+            "comparisons": [c.to_dict() for c in comparisons],
+        }
+        print_dataset(out)
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "datasets": [out]},
+                indent=1,
+                default=str,
+            )
+        )
+        return
     targeted = [s for s in args.peers if s.split("@")[0] in TARGETED]
     if targeted:  # refused now, not after the other groups' hours of training
         from cluster_pipeline.evaluation.targets import target_problem
