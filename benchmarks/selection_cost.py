@@ -38,8 +38,9 @@ selector's cost holds is its record's: the embedding pass only where its inputs 
 Printed: per selector its passes, forward and backward passes, peak resident memory of the
 largest rank, seconds, and the ratio to CluSTER's seconds, beside the paper's ratios (Table 4,
 Magicoder-75K on 7B models: CluSTER 0.19 h, IFD 1.62 h = 8.5x, LESS 2.79 h = 14.7x, S2L 0.95 h =
-5.0x; RDS+ is not in the paper). Written to --out (JSON). The model load of each process is not
-counted (as in the product's cost record).
+5.0x; RDS+ is not in the paper). Written to --out (JSON), again after each selector (a run
+stopped midway keeps what it measured). The model load of each process is not counted (as in
+the product's cost record).
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def main() -> None:
         cost["wall_seconds"] = round(wall, 1)
         results.append(cost)
         print(f"  {name}: {cost['seconds']:.0f} s {cost['passes']}", flush=True)
+        _write(args, embedded, clusters, results)  # a run stopped midway keeps what it measured
 
     base = next(r for r in results if r["selector"] == "peripheral")["seconds"]
     print(
@@ -196,6 +198,17 @@ def main() -> None:
             f"{(f'{paper:.1f}' if paper else '-'):>6} {r['forward']:>8} {r['backward']:>8} "
             f"{(r['peak_rss_mib'] or 0):>8.0f}  {r['passes']}"
         )
+    _write(args, embedded, clusters, results)
+    print(f"\nresults: {args.out}")
+
+
+def _write(args, embedded: dict, clusters: dict, results: list[dict]) -> None:
+    """The run's figures so far to --out (JSON); each selector's ratio to CluSTER's seconds
+    once CluSTER (``peripheral``) is measured."""
+    base = next((r["seconds"] for r in results if r["selector"] == "peripheral"), None)
+    for r in results:
+        if base:
+            r["ratio"] = round(r["seconds"] / base, 2)
     args.out.write_text(
         json.dumps(
             {
@@ -213,7 +226,6 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"\nresults: {args.out}")
 
 
 if __name__ == "__main__":
