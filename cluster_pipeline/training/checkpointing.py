@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster_pipeline.launch.fate import check_alive
 from cluster_pipeline.storage.atomic import atomic_file, atomic_folder
-from cluster_pipeline.storage.disk import naming_full_disk, require_space
+from cluster_pipeline.storage.disk import DiskFull, free_bytes, naming_full_disk, require_space
 
 if TYPE_CHECKING:  # imported where tensors are handled: the assets read checkpoints without it
     import torch
@@ -542,14 +542,57 @@ def load_adapter(model, folder: Path) -> None:
     set_peft_model_state_dict(model, load_file(str(folder / ADAPTER_WEIGHTS)))
 
 
+def local_tensor_bytes(obj: Any) -> int:
+    """:func:`tensor_bytes` of this rank's part of ``obj``: a DTensor (FSDP2's sharded
+    parameters and their optimizer states) counts its local shard, what
+    ``torch.distributed.checkpoint`` writes of it from this rank."""
+    from torch.distributed.tensor import DTensor
+
+    def local(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.to_local()
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [local(v) for v in value]
+        return value
+
+    return tensor_bytes(local(obj))
+
+
 def save_sharded(model, optimizer, folder: Path) -> None:
     """Model and optimizer state, sharded as FSDP2 holds them, with
-    ``torch.distributed.checkpoint`` (collective)."""
+    ``torch.distributed.checkpoint`` (collective: every rank calls it, and writes its shards).
+
+    The room is checked first, on every rank at once: the shards of all ranks (each rank's
+    :func:`local_tensor_bytes`, summed: a shared filesystem receives every one; ranks on
+    separate local disks are asked for more than each needs) plus
+    :data:`CHECKPOINT_OVERHEAD_BYTES`, against the least free space any rank sees, so that every
+    rank refuses together, before any writes.
+
+    Raises:
+        DiskFull: the room is lacking (every rank raises it), or the disk ran out while
+            writing.
+    """
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    state = {"model": model_state, "optim": optim_state}
+    what = f"save the sharded checkpoint {folder}"
+    mine = (local_tensor_bytes(state), free_bytes(folder.parent))
+    if dist.is_available() and dist.is_initialized():
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+    else:
+        views = [mine]
+    needed = sum(v[0] for v in views) + CHECKPOINT_OVERHEAD_BYTES
+    free = min(v[1] for v in views)
+    if free < needed:
+        raise DiskFull(what, folder.parent, needed, free)
+    with naming_full_disk(folder.parent, needed, what):
+        save(state, checkpoint_id=str(folder))
 
 
 def load_sharded(model, optimizer, folder: Path) -> None:

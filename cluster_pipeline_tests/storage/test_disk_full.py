@@ -4,7 +4,8 @@ says the same; what was there before stays readable (issue 43: ``unexpected pos 
 65684`` and ``rank_0 failed first: (no message)``).
 
 The kind, "a large write": a Delta commit (vectors, checked first; text, which runs out while
-writing), the embedding cache's append, a checkpoint (its tensors' size known), torch's own
+writing), the embedding cache's append, a checkpoint (its tensors' size known), FSDP2's sharded
+checkpoint (every rank's shards, checked together), torch's own
 short write, a launch whose ranks could not even write their error, an export (refused
 before writing, or out of room while writing), and the built-in model's converted copy. The
 ranks' own reports are tested in launch/test_full_disk_ranks.py."""
@@ -283,3 +284,57 @@ def test_the_built_in_models_conversion_checks_its_room_first(tmp_path, tiny_mod
         assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == (
             tiny_model.num_parameters()
         )
+
+
+def test_an_fsdp_sharded_checkpoint_checks_every_ranks_shards_first(
+    tmp_path, tiny_tokenizer, monkeypatch
+):
+    """FSDP2's resumable checkpoint (``torch.distributed.checkpoint``: every rank writes its
+    shards) is the same kind of large write: refused before any rank writes, naming the bytes of
+    every rank's shards (here one rank, so its whole state: the parameters, AdamW's two moments
+    of each and its step counters) and the least free space any rank sees."""
+    import socket
+
+    import torch.distributed as dist
+
+    from cluster_pipeline.training.checkpointing import save_sharded
+    from cluster_pipeline_tests.helpers import build_model
+
+    with socket.socket() as sock:  # a free port for this process's one-rank group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        model = build_model(len(tiny_tokenizer))
+        params = list(model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]]))
+        out.loss.backward()
+        optimizer.step()
+        # Each parameter, its exp_avg and exp_avg_sq (float32, its shape), its step (one float32).
+        needed = 3 * param_bytes + 4 * len(params) + CHECKPOINT_OVERHEAD_BYTES
+        with small_disk(tmp_path / "disk", 20 * MIB) as disk:
+            fits = disk / "step_1" / "sharded"
+            save_sharded(model, optimizer, fits)
+            assert any(fits.iterdir())
+            filler = disk / "filler"
+            filler.write_bytes(b"\0" * (free_bytes(disk) - 16 * MIB))
+            free = free_bytes(disk)
+            target = disk / "step_2" / "sharded"
+            with pytest.raises(DiskFull) as e:
+                save_sharded(model, optimizer, target)
+            assert str(e.value) == (
+                f"save the sharded checkpoint {target}: the disk holding {target.parent} is "
+                f"full: this write needs {format_bytes(needed)} and {format_bytes(free)}" + ADVICE
+            )
+            assert not (disk / "step_2").exists()  # nothing written
+    finally:
+        dist.destroy_process_group()
