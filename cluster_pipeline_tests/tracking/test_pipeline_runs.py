@@ -137,6 +137,11 @@ def test_a_pipeline_run_is_a_parent_run_whose_logged_config_runs_again(
     assert params["balanced_clusters.alpha"] == "1.3"
     assert params["ratio"] == "0.4"
     assert params["base_model"] == str(tiny_model_dir)
+    # ... and its identity that travels: the folder's name and its weights' hash, no path.
+    weights = hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert params["base_model_id"] == (
+        f"`{tiny_model_dir.name}` (a local folder): `model.safetensors` sha256 `{weights}`"
+    )
     # The pool as the selection's dataset input, its digest the content hash of its ids.
     assert selection.inputs is not None
     [given] = selection.inputs.dataset_inputs
