@@ -140,7 +140,18 @@ class CachedPass:
     rows: pl.DataFrame
     cache_dir: Path
     embedded_now: int
-    stats: dict[str, float]
+    stats: dict[str, Any]
+
+    def packing(self) -> dict[str, Any]:
+        """``packed`` (whether this run's pass packed its batches; None when every sample was
+        cached) and ``warnings`` (the packing gate's refusal, where it refused), from the
+        pass's figures (training/embedding_pass.py)."""
+        if not self.embedded_now:
+            return {"packed": None, "warnings": []}
+        return {
+            "packed": self.stats.get("packed"),
+            "warnings": list(self.stats.get("warnings") or []),
+        }
 
     def cost(self, name: str) -> PassCost:
         """The pass's cost record: one forward per sample (skipped samples are not run), its
@@ -209,7 +220,7 @@ def run_cached_pass(
     """
     prefix = f"{label}: " if label else ""
     todo = pending_pass(cache_dir, sample_ids, settings.chunk_size, recompute)
-    stats: dict[str, float] = {}
+    stats: dict[str, Any] = {}
     if todo is not None:
         if not todo.finished:
             # Before any rank starts: room for the chunks and their copy into the cache.

@@ -207,6 +207,10 @@ class ProxyEmbeddingsRecord(SelectionRecord):
     # cache (None for a cache from before 2026-12-02).
     peak_rss_mib: float | None = None
     peak_cuda_mib: float | None = None
+    # The pass run now: whether its batches were packed (None: every sample was cached), and
+    # the packing gate's refusal where it refused (data/packing.pack_check).
+    packed: bool | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

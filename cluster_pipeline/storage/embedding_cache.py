@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -66,9 +67,9 @@ def chunks_done(chunk_dir: Path, n_samples: int, chunk_size: int) -> int:
     return sum(chunk_path(chunk_dir, i).exists() for i in range(n_chunks(n_samples, chunk_size)))
 
 
-def read_pass_stats(chunk_dir: Path) -> dict[str, float]:
-    """samples, tokens, seconds (slowest rank) and world_size of the pass that wrote the
-    chunks ({} before it finished)."""
+def read_pass_stats(chunk_dir: Path) -> dict[str, Any]:
+    """samples, tokens, seconds (slowest rank), world_size, peak memory, ``packed`` and
+    ``warnings`` of the pass that wrote the chunks ({} before it finished)."""
     path = chunk_dir / PASS_STATS
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -144,7 +145,7 @@ def write_pass_ids(pass_dir: Path, sample_ids: list[str]) -> Path:
 
 def store_pass(
     cache_dir: Path, pass_dir: Path, sample_ids: list[str], chunk_size: int, replace: bool = False
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Add a finished pass's chunks to the cache table, log its stats (returned:
     :func:`read_pass_stats`), and remove its folder.
 

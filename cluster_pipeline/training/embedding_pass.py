@@ -174,16 +174,22 @@ def run_pass(job: EmbedJob, env, report) -> None:
             )
             report.doing(f"embedding samples ({done}/{frame.height} done)", say=False)
 
+    # Whether this pass's batches were packed, and why not where the gate refused: the pass's
+    # figures carry both to proxy_embeddings' metadata, not only to the log.
+    packed: bool | None = None
+    pass_warnings: list[str] = []
     if gradients is None:
         # The pass owns its model: packed batches attend with the variable-length kernel on a
         # GPU for the whole pass (data/attention.py), checked once (embed_samples reuses it).
         report.info(f"packed rows attend with {use_packed_attention(model, env.device.type)}")
         check = pack_check_cached(model) if cfg.packing else None
+        packed = check is not None and check.ok
         if check is not None and not check.ok:
-            report.warning(
+            pass_warnings.append(
                 check.reason(type(model).__name__)
                 + " (data/packing.pack_check): embedding with padded batches"
             )
+            report.warning(pass_warnings[-1])
     report.doing(f"embedding samples ({done_before}/{frame.height} done)", say=False)
     for i in todo:
         rows = frame.slice(i * cfg.chunk_size, cfg.chunk_size)
@@ -228,6 +234,10 @@ def run_pass(job: EmbedJob, env, report) -> None:
             # The largest rank's peaks (bytes; CUDA 0 on the CPU).
             "peak_rss_bytes": max(g[3] for g in gathered),
             "peak_cuda_bytes": max(g[4] for g in gathered),
+            # Rank 0's verdict (every rank holds the same model): packed batches, and the
+            # packing gate's refusal (None: a gradient pass, which pads).
+            "packed": packed,
+            "warnings": pass_warnings,
         }
         with naming_full_disk(chunk_dir, None, f"write the pass's figures {stats_file}"):
             write_text(stats_file, json.dumps(stats))

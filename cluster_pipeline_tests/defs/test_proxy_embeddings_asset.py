@@ -45,6 +45,8 @@ def test_cache_reuse_refresh_recompute_and_progress(tiny_data_dir, tiny_model_di
         t1 = read(instance, "proxy_embeddings")
         assert m1["samples_reused"] == 0 and m1["samples_embedded_now"] == 57
         assert m1["embedded"] == m1["dagster/row_count"] == 57
+        # The pass packed its batches (the tiny fp32 Llama passes the gate) and says so.
+        assert m1["packed"] is True and m1["warnings"] == []
         logs = [e.user_message for e in instance.all_logs(first.run_id)]
         assert any("embedded" in m and "tokens/s" in m and "ETA" in m for m in logs)
 
@@ -52,6 +54,7 @@ def test_cache_reuse_refresh_recompute_and_progress(tiny_data_dir, tiny_model_di
         m2 = meta(instance, "proxy_embeddings")
         assert m2["samples_reused"] == 57 and m2["samples_embedded_now"] == 0
         assert m2["cache_key"] == m1["cache_key"]
+        assert m2["packed"] is None  # no pass ran
         t2 = read(instance, "proxy_embeddings")
         assert t2.equals(t1)
 

@@ -95,3 +95,50 @@ def test_a_killed_run_resumes_with_only_the_missing_chunks(tmp_path, tiny_model_
     assert f_cut["sample_id"].to_list() == ids
     np.testing.assert_allclose(m_cut, m_ref, rtol=1e-6, atol=1e-8)
     assert not list((tmp_path / "cut").glob(".chunk_*.tmp-*"))  # no half-written chunk left
+
+
+class _Capture:
+    """A Reporter of rank 0 that keeps the warnings it is given."""
+
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def info(self, message: str) -> None:
+        pass
+
+    def doing(self, what: str, say: bool = True) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_pass_records_whether_it_packed_and_why_not(
+    tmp_path, tiny_model_dir, monkeypatch, refused
+):
+    """A pass whose model the packing gate refuses embeds with padded batches, and says so in
+    its figures (``packed: false`` and the refusal in ``warnings``, which proxy_embeddings'
+    metadata shows), not only in the log (issue 39: a bf16-held model failed the gate silently).
+    The gate's verdict is given here (its own tests: data/test_packing.py); the pass is real."""
+    from cluster_pipeline.data.packing import PackCheck
+    from cluster_pipeline.storage.embedding_cache import read_pass_stats
+    from cluster_pipeline.training import embedding_pass
+    from cluster_pipeline.training.distributed import DistEnv
+
+    if refused:
+        verdict = PackCheck(False, 0.134, 0.0253, 0.244, 0.0982, "torch.bfloat16", 0.389)
+        monkeypatch.setattr(embedding_pass, "pack_check_cached", lambda model: verdict)
+    table = instructions_table(tmp_path / "raw", tiny_records(8))
+    job, _ = _config(tmp_path, tiny_model_dir, table, "pass")
+    report = _Capture()
+    embedding_pass.run_pass(job, DistEnv(0, 0, 1), report)  # pyright: ignore[reportArgumentType]
+    stats = read_pass_stats(Path(job.chunk_dir))
+    want = (
+        "LlamaForCausalLM attends across packed samples: a sample's logits moved by 0.134 when "
+        "the sample before it in the row changed (bound 0.0253 for torch.bfloat16) "
+        "(data/packing.pack_check): embedding with padded batches"
+    )
+    assert stats["packed"] is (not refused)
+    assert stats["warnings"] == ([want] if refused else [])
+    assert report.warnings == stats["warnings"]

@@ -71,9 +71,8 @@ def proxy_embeddings(
         f"{time.perf_counter() - start:.1f} s; truncated: {result.truncated or 'none'}"
     )
     log_skipped(context.log.info, result.frame, instructions, settings.truncation)
-    stats = done.stats
+    stats, peaks = done.stats, done.cost(PASS_EMBEDDING)
     pass_seconds, pass_tokens = float(stats.get("seconds", 0.0)), float(stats.get("tokens", 0))
-    peaks = done.cost(PASS_EMBEDDING)
     record = ProxyEmbeddingsRecord(
         table=table,
         inputs=instructions.lineage(),
@@ -98,6 +97,7 @@ def proxy_embeddings(
         code=code_identity(),
         peak_rss_mib=round_mib(peaks.peak_rss_mib),
         peak_cuda_mib=round_mib(peaks.peak_cuda_mib),
+        **done.packing(),
     )
     shown = ["sample_id", "n_tokens", "n_response_tokens", "mean_loss", "skip_reason"]
     # The vectors are those of the cache key (model, tokenizer, settings) for these samples:
