@@ -397,7 +397,8 @@ def peer_group(peer: str, args) -> str:
 
 def run_peers(name: str, args, model_path: str, work: Path, train, heldout, evaluate, log) -> None:
     """Select and train ``args.peers`` through the product (module docstring), every seed, and
-    score each checkpoint with ``evaluate``.
+    score each checkpoint with ``evaluate``. A peer whose materialization fails is logged with
+    its log's tail and left out; the others go on.
 
     Exits when the product's pool or held-out split differs from the harness's (they would not
     be paired)."""
@@ -461,7 +462,11 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
                     },
                 }
             }
-            wall = product.materialize(assets, run, f"{peer.replace('@', '_')}_{seed}")
+            try:
+                wall = product.materialize(assets, run, f"{peer.replace('@', '_')}_{seed}")
+            except SystemExit as e:  # one peer's failure (its log named) loses only that peer
+                log(f"[{name}] {peer} seed {seed} FAILED, left out: {str(e.code)[:600]}")
+                continue
             chosen = product.metadata("peripheral_subsets")
             trained = product.metadata("trained_checkpoint")
             group = peer_group(peer, args)
