@@ -15,6 +15,7 @@ from cluster_pipeline.data.attention import (
     forward_kwargs,
     implementation,
     packed_attention,
+    packed_attention_forward,
     reference_kernel,
     reference_varlen_attn,
     torch_varlen_kernel,
@@ -200,6 +201,69 @@ def test_the_registered_attention_falls_back_to_sdpa_where_the_kernel_does_not_a
         b = varlen.generate(prompt, max_new_tokens=5, do_sample=False)
     assert a.tolist() == b.tolist()
     assert reference.calls == 0
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+# Every case where the variable-length kernel does not compute what the layer asks (module
+# docstring): each must take transformers' sdpa path with its arguments untouched.
+NOT_THE_KERNELS = {
+    "dropout": {"dropout": 0.1},
+    "not causal": {"is_causal": False},
+    "sliding window": {"sliding_window": 2},
+    "soft-capping": {"softcap": 30.0},
+    "sink tokens": {"s_aux": torch.zeros(2)},
+    "position bias": {"position_bias": torch.zeros(1, 2, 6, 6)},
+    "no boundaries": {"cu_seq_lens_q": None},
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_THE_KERNELS))
+def test_each_case_the_kernel_does_not_compute_falls_back_to_sdpa(case, reference, monkeypatch):
+    """The attention function called directly, boundaries given (two samples of 3 in a row of
+    6): the reference kernel runs only where it computes what the layer asks; dropout, a
+    non-causal layer, a sliding window, soft-capping, sink tokens, a position bias or missing
+    boundaries go to sdpa, called with the same arguments (what sdpa returns is returned)."""
+    from transformers.integrations import sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    base = {"cu_seq_lens_q": torch.tensor([0, 3, 6], dtype=torch.int32), "max_length_q": 3}
+    seen: list[dict] = []
+
+    def sdpa(module, query, key, value, mask, **kwargs):
+        seen.append(kwargs)
+        return torch.full((1, 6, 2, 4), 7.0), None
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa)
+    out, _ = packed_attention_forward(_Layer(), q, k, v, None, **base)
+    assert reference.calls == 1 and not seen  # the kernel computes this one
+    t = [x[0].transpose(0, 1) for x in (q, k, v)]  # (tokens, heads, dim)
+    want = reference_varlen_attn(*t, base["cu_seq_lens_q"], None, 3, 3, window_size=(-1, 0))
+    torch.testing.assert_close(out[0], want, rtol=1e-6, atol=1e-6)
+    args = {**base, **NOT_THE_KERNELS[case]}
+    out, _ = packed_attention_forward(_Layer(), q, k, v, None, **args)
+    assert reference.calls == 1, case  # not called again
+    assert len(seen) == 1 and torch.equal(out, torch.full((1, 6, 2, 4), 7.0))
+    for name, value in NOT_THE_KERNELS[case].items():
+        given = seen[0].get(name)
+        assert given is value or given == value, (name, given)
+
+
+def test_a_query_shorter_than_its_keys_falls_back_to_sdpa(reference):
+    """A KV cache's decoding step (1 query against 6 cached keys) of a causal layer runs sdpa,
+    which returns the softmax-weighted values of all 6 keys (the newest query sees every
+    key)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 1, 4, generator=g)
+    k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    out, _ = packed_attention_forward(_Layer(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=1)
+    assert reference.calls == 0
+    weights = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)  # 1/sqrt(4)
+    torch.testing.assert_close(out, (weights @ v).transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_the_registered_attention_runs_autocast_in_its_dtype(tiny_model, reference):
