@@ -240,8 +240,9 @@ def test_each_case_the_kernel_does_not_compute_falls_back_to_sdpa(case, referenc
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa)
     out, _ = packed_attention_forward(_Layer(), q, k, v, None, **base)
     assert reference.calls == 1 and not seen  # the kernel computes this one
-    t = [x[0].transpose(0, 1) for x in (q, k, v)]  # (tokens, heads, dim)
-    want = reference_varlen_attn(*t, base["cu_seq_lens_q"], None, 3, 3, window_size=(-1, 0))
+    tq, tk, tv = (x[0].transpose(0, 1) for x in (q, k, v))  # (tokens, heads, dim)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    want = reference_varlen_attn(tq, tk, tv, cu, None, 3, 3, window_size=(-1, 0))
     torch.testing.assert_close(out[0], want, rtol=1e-6, atol=1e-6)
     args = {**base, **NOT_THE_KERNELS[case]}
     out, _ = packed_attention_forward(_Layer(), q, k, v, None, **args)

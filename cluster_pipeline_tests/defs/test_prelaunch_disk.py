@@ -103,6 +103,7 @@ def test_an_embedding_pass_that_cannot_fit_its_chunks_is_refused_before_any_rank
             assert not result.success
             event = next(e for e in result.all_events if e.is_step_failure)
             error = event.step_failure_data.error
+            assert error is not None
             message = error.message if error.cause is None else error.cause.message
             cache = DataLayout.at(data).embeddings_dir("tiny")
             pattern = (
