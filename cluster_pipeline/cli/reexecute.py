@@ -25,6 +25,15 @@ from cluster_pipeline.cli import UserError, instance_home
 # The tags a re-execution carries from its parent, besides the user's own (no "/" in the key):
 # the partition, which the steps read. Dagster adds the re-execution's own (parent, root run).
 _CARRIED_TAGS = ("dagster/partition", "dagster/partition_set")
+# How a run's status (DagsterRunStatus' value) reads in a sentence ("run 1a2b... succeeded").
+_STATES = {
+    "SUCCESS": "succeeded",
+    "STARTED": "is still running",
+    "STARTING": "is starting",
+    "QUEUED": "is queued",
+    "NOT_STARTED": "has not started",
+    "CANCELING": "is being canceled",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,9 +81,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     with dg.DagsterInstance.get() as instance:
         parent = find_run(instance, args.run_id)
         if parent.status not in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED):
+            value = parent.status.value
+            state = _STATES.get(value, f"is {value.lower().replace('_', ' ')}")
             raise UserError(
-                f"run {parent.run_id} is {parent.status.value.lower()}: only a failed or "
-                "canceled run is re-executed from its failure"
+                f"run {parent.run_id} {state}: only a failed or canceled run is re-executed "
+                "from its failure"
             )
         # The steps "From failure" runs: those that failed or did not run (Dagster's own rule,
         # which execute_job applies again below).

@@ -650,7 +650,7 @@ def train(job: TrainJob, env: DistEnv, report: Reporter) -> None:
     report.info(
         f"training {env.world_size} rank(s), samples per rank "
         f"{[int(g[0]) for g in all_gather_floats([float(len(run.encoded))], env)]}, "
-        f"{run.total_steps} steps; rank weights "
+        f"{run.total_steps} step{'' if run.total_steps == 1 else 's'}; rank weights "
         f"{[round(w, 4) for w in _gather_weights(run.weight, env)]}"
         + (f"; resuming from {run.resumed_from.name}" if run.resumed_from else "")
     )

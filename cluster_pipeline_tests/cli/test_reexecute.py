@@ -67,7 +67,7 @@ def test_a_run_that_succeeded_is_not_reexecuted(instance, capsys):
     code, _, err = _cli(capsys, result.run_id)
     assert code == 2
     assert err == (
-        f"cluster-pipeline reexecute: error: run {result.run_id} is success: only a failed or "
+        f"cluster-pipeline reexecute: error: run {result.run_id} succeeded: only a failed or "
         "canceled run is re-executed from its failure\n"
     )
 
