@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             name,
             # The docstring's first paragraph, whole (its first line can stop mid-sentence).
             help=" ".join(doc.split("\n\n")[0].split()).replace("``", "`"),
-            description=doc,
+            description=doc.replace("``", "`"),  # the docstring's reST literals, as Markdown
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sub)

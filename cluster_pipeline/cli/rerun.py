@@ -45,7 +45,8 @@ def read_run_config(path: Path) -> dict[str, Any]:
 
     Raises:
         UserError: the file is missing or not YAML (the line is named), not a mapping, has
-            another top-level key, no stage, or a stage that is not one of the pipeline's.
+            another top-level key, no stage, a stage that is not one of the pipeline's, or a
+            knob its stage does not have or a value it refuses (:func:`_check_knobs`).
     """
     from cluster_pipeline.defs.stages import STAGES
 
@@ -72,7 +73,48 @@ def read_run_config(path: Path) -> dict[str, Any]:
             f"{path}: {', '.join(map(repr, strangers))} under `ops:` is not a stage of the "
             f"pipeline ({', '.join(STAGES)})"
         )
+    _check_knobs(path, ops)
     return config
+
+
+def _check_knobs(path: Path, ops: dict[str, Any]) -> None:
+    """Every stage's ``config:`` names knobs of that stage, each with a value it takes, before
+    Dagster starts (which would answer a misspelled knob with a traceback listing every knob).
+
+    Raises:
+        UserError: a stage's entry is not ``config: {...}``, a knob is unknown (named with the
+            nearest one), or a value is refused (the knob and why).
+    """
+    import pydantic
+
+    from cluster_pipeline.defs.configs import STAGE_CONFIGS
+    from cluster_pipeline.defs.partition_settings import unknown_knobs
+
+    configs: dict[str, dict[str, Any]] = {}
+    for stage, entry in ops.items():
+        entry = {} if entry is None else entry  # `stage:` alone: its defaults
+        config = entry.get("config", {}) if isinstance(entry, dict) else None
+        config = {} if config is None else config
+        if not isinstance(entry, dict) or set(entry) - {"config"} or not isinstance(config, dict):
+            raise UserError(f"{path}: ops.{stage} must be `config:` and its knobs")
+        configs[stage] = config
+    unknown = unknown_knobs(configs)
+    if unknown:
+        raise UserError(
+            f"{path}: {'; '.join(f'ops.{u}' for u in unknown)}: not a knob of the pipeline; "
+            "correct the name (the stages' knobs: `cluster-pipeline run-config`)"
+        )
+    for stage, config in configs.items():
+        if stage not in STAGE_CONFIGS:
+            continue
+        try:
+            STAGE_CONFIGS[stage].model_validate(config)
+        except pydantic.ValidationError as e:
+            problems = "; ".join(
+                f"ops.{stage}.{'.'.join(map(str, err['loc']))} = {err.get('input')!r}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise UserError(f"{path}: {problems}") from None
 
 
 def dagster_command(config: dict[str, Any], path: Path, dataset: str) -> list[str]:

@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--diff",
         nargs="+",
         type=int,
-        metavar="OLD [NEW]",
-        help="compare two versions of the peripheral_subsets table (NEW: the latest by default)",
+        metavar="VERSION",
+        help="OLD [NEW]: compare two versions of the peripheral_subsets table (NEW: the latest "
+        "by default)",
     )
     parser.add_argument("--data-dir", type=Path, default=Path(default_data_dir()))
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")

@@ -111,19 +111,27 @@ def stored_settings(layout: DataLayout, dataset: str) -> PartitionSettings:
     """
     path = layout.partition_settings(dataset)
     settings = read_partition_settings(path, dataset)
-    unknown = []
-    for stage, knobs in settings.stages.items():
-        if stage not in STAGE_CONFIGS:
-            unknown.append(f"stage {stage!r}{_nearest(stage, STAGE_CONFIGS)}")
-            continue
-        fields = STAGE_CONFIGS[stage].model_fields
-        unknown += [f"{stage}.{k}{_nearest(k, fields)}" for k in knobs if k not in fields]
+    unknown = unknown_knobs(settings.stages)
     if unknown:
         raise SettingsUnreadable(
             f"{path}: {'; '.join(unknown)}: not in the pipeline, so it would be ignored; "
             "correct the name, or remove it from the file's 'stages'"
         )
     return settings
+
+
+def unknown_knobs(stages: Mapping[str, Iterable[str]]) -> list[str]:
+    """Of ``stages`` (stage -> its knob names), each stage the pipeline does not have and each
+    knob its stage does not have, as ``stage 'x'`` / ``<stage>.<knob>``, each with the nearest
+    name there is (`` (did you mean 'selector'?)``); [] when every name is known."""
+    unknown = []
+    for stage, knobs in stages.items():
+        if stage not in STAGE_CONFIGS:
+            unknown.append(f"stage {stage!r}{_nearest(stage, STAGE_CONFIGS)}")
+            continue
+        fields = STAGE_CONFIGS[stage].model_fields
+        unknown += [f"{stage}.{k}{_nearest(k, fields)}" for k in knobs if k not in fields]
+    return unknown
 
 
 def _nearest(name: str, names: Iterable[str]) -> str:

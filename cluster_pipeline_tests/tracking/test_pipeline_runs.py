@@ -69,6 +69,22 @@ def test_rerun_runs_the_job_whose_stages_the_config_names(tmp_path):
         ("ops: {}\n", "names no stage under `ops:`"),
         ("ops: {trained: {}}\n", "'trained' under `ops:` is not a stage of the pipeline"),
         ("opps: {}\n", "'opps' is not a run config key"),
+        # A stage's knobs, checked before Dagster starts (issue 44's trial: a misspelled knob
+        # got a 60-line traceback and `rerun --dry-run` accepted it).
+        (
+            "ops: {peripheral_subsets: {config: {selecter: ifd, ratio: 0.5}}}\n",
+            "ops.peripheral_subsets.selecter (did you mean 'selector'?): not a knob of the "
+            "pipeline; correct the name",
+        ),
+        (
+            "ops: {peripheral_subsets: {config: {ratio: 2.0}}}\n",
+            "ops.peripheral_subsets.ratio = 2.0: Input should be less than or equal to 1",
+        ),
+        (
+            "ops: {peripheral_subsets: {config: {selector: peripherl}}}\n",
+            "ops.peripheral_subsets.selector = 'peripherl': Input should be 'peripheral', ",
+        ),
+        ("ops: {proxy_embeddings: {confg: {}}}\n", "ops.proxy_embeddings must be `config:`"),
     ],
 )
 def test_rerun_refuses_what_is_not_a_run_config_of_the_pipeline(tmp_path, text, why):
