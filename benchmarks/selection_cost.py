@@ -143,6 +143,7 @@ def main() -> None:
 
     from cluster_pipeline.cli.compare import compare_config
     from cluster_pipeline.defs.profiles import profile_run_config
+    from cluster_pipeline.selection.selectors import REGISTRY
 
     product = ProductRun(args.work, DATASET, args.pool_file)
     chain = ["raw_instructions", "proxy_embeddings", "balanced_clusters"]
@@ -171,6 +172,12 @@ def main() -> None:
             target=args.target,
         )
         subsets_config = run["ops"]["peripheral_subsets"]["config"]
+        # Every knob of the selector given (its released defaults unless @pre): the partition
+        # keeps a run's knobs for the next run (issue 43), so `ifd` after `ifd@pre` would
+        # otherwise run as `ifd@pre`.
+        subsets_config.update(
+            {**REGISTRY[selector].knobs().model_dump(mode="json"), **subsets_config}
+        )
         if selector in TARGETED:
             subsets_config["target_size"] = args.target_size
         if selector == "s2l":  # the paper's 100 trajectory clusters, at most half a small pool

@@ -354,6 +354,8 @@ def summarise(results: list, args) -> tuple[list[dict], list]:
         for p in args.peers
         if p.endswith("@pre") and p.split("@")[0] in args.peers
     ]
+    present = {r.group for r in results}  # a peer that failed every seed has no group
+    extra = [(a, b) for a, b in extra if a in present and b in present]
     return rows, compare_groups(results, rows, extra_pairs=extra)
 
 
@@ -404,6 +406,7 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
     be paired)."""
     import polars as pl
 
+    from cluster_pipeline.selection.selectors import REGISTRY
     from cluster_pipeline.training.checkpointing import read_checkpoint
 
     source = None if name == "python_stdlib" else POOLS[name]
@@ -437,7 +440,11 @@ def run_peers(name: str, args, model_path: str, work: Path, train, heldout, eval
     for seed in args.seeds:
         for peer in args.peers:
             selector, _, variant = peer.partition("@")
+            # Every knob of the selector given, its defaults (the authors' released rules)
+            # unless @pre: the partition keeps the knobs a run was launched with for the next
+            # run (issue 43), so `ifd` after `ifd@pre` would otherwise run as `ifd@pre`.
             subsets = {
+                **REGISTRY[selector].knobs().model_dump(mode="json"),
                 "selector": selector,
                 "ratio": args.ratio,
                 "seed": seed,

@@ -38,8 +38,13 @@ import pydantic
 
 from cluster_pipeline.defs.configs import STAGE_CONFIGS
 from cluster_pipeline.defs.profiles import DEFAULT_PROFILE, PROFILES, profile_run_config
+from cluster_pipeline.selection.selectors import REGISTRY, SelectionKnobs
 from cluster_pipeline.storage.layout import DataLayout
-from cluster_pipeline.storage.names import PROXY_EMBEDDINGS, TRAINED_CHECKPOINT
+from cluster_pipeline.storage.names import (
+    PERIPHERAL_SUBSETS,
+    PROXY_EMBEDDINGS,
+    TRAINED_CHECKPOINT,
+)
 from cluster_pipeline.storage.partition_settings import (
     PartitionSettings,
     SettingsUnreadable,
@@ -100,6 +105,22 @@ def _kept(stage: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in knobs.items() if k in fields and k not in skip}
 
 
+def _taken(stage: str, stored: Mapping[str, Any], launched: Mapping[str, Any]) -> dict[str, Any]:
+    """The partition's knobs of ``stage`` a run takes (:func:`_kept`) where its launch does not
+    give them; for ``peripheral_subsets`` only those of the selector the run uses (the launch's,
+    else the stored one, else the default): another selector's knobs stay in the file, for a
+    later run of that selector, and neither apply nor trip that selector's rule ("applies to
+    selector ifd only"), which is for knobs a run config gives."""
+    kept = {k: v for k, v in _kept(stage, stored).items() if k not in launched}
+    if stage != PERIPHERAL_SUBSETS:
+        return kept
+    selector = launched.get("selector", stored.get("selector", SelectionKnobs().selector))
+    own = set(SelectionKnobs.model_fields)
+    if selector in REGISTRY:
+        own |= set(REGISTRY[selector].knobs.model_fields)
+    return {k: v for k, v in kept.items() if k in own}
+
+
 def stored_settings(layout: DataLayout, dataset: str) -> PartitionSettings:
     """The partition's settings file, read, every stage and knob in it one the pipeline has.
 
@@ -148,7 +169,8 @@ def effective_ops(
     stages = set(launched) | set(stored.stages)
     out = {}
     for stage in sorted(stages):
-        knobs = {**_kept(stage, stored.knobs(stage)), **launched.get(stage, {})}
+        given = launched.get(stage, {})
+        knobs = {**_taken(stage, stored.knobs(stage), given), **given}
         if knobs:
             out[stage] = knobs
     return out
@@ -299,7 +321,7 @@ def apply_to_step(
     except SettingsUnreadable as e:
         raise dg.Failure(description=f"{stage}: {e}") from e
     launched = launched_knobs(context.run.run_config, context.run.tags).get(stage, {})
-    taken = {k: v for k, v in _kept(stage, stored.knobs(stage)).items() if k not in launched}
+    taken = _taken(stage, stored.knobs(stage), launched)
     # The launch's own knobs as Dagster gave them (a job's profile too, which Dagster applies
     # as the job's config: the same values), over the partition's.
     own = {k: v for k, v in launched.items() if k in type(config).model_fields}

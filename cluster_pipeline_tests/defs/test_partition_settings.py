@@ -144,6 +144,43 @@ def test_the_run_uses_the_stored_knobs_under_its_own_and_never_a_one_shot_one():
     }
 
 
+def test_a_selectors_stored_knobs_apply_to_that_selector_only():
+    """A run of another selector neither takes nor is refused for the knobs an earlier run of
+    ifd left (the benchmark's `ifd@pre` then `balanced_random`: "ifd_end_of_turn applies to the
+    selectors ifd, cluster_ifd only"); a later run of a selector that reads them takes them
+    (the members: another selector given, the stored selector, a selector sharing the knobs)."""
+    stored, _ = PartitionSettings("tiny").with_launch(
+        {
+            "peripheral_subsets": {
+                "selector": "ifd",
+                "ratio": 0.3,
+                "ifd_end_of_turn": True,
+                "ifd_truncated": True,
+            }
+        },
+        "r",
+    )
+    other = {"peripheral_subsets": {"selector": "balanced_random"}}
+    assert effective_ops(other, stored) == {
+        "peripheral_subsets": {"selector": "balanced_random", "ratio": 0.3}
+    }
+    check_stages(effective_run_config({"ops": {"peripheral_subsets": {"config": {
+        "selector": "balanced_random"}}}}, {}, stored), ["peripheral_subsets"])  # fmt: skip
+    ifd_knobs = {"ratio": 0.3, "ifd_end_of_turn": True, "ifd_truncated": True}
+    assert effective_ops({}, stored) == {"peripheral_subsets": {"selector": "ifd", **ifd_knobs}}
+    shared = {"peripheral_subsets": {"selector": "cluster_ifd"}}
+    assert effective_ops(shared, stored) == {
+        "peripheral_subsets": {"selector": "cluster_ifd", **ifd_knobs}
+    }
+    # Given by the run config, another selector's knob is still refused (the run's own).
+    with pytest.raises(ConfigRefused, match="applies to the selectors ifd, cluster_ifd only"):
+        check_stages(
+            {"ops": {"peripheral_subsets": {"config": {
+                "selector": "longest", "ifd_truncated": True}}}},
+            ["peripheral_subsets"],
+        )  # fmt: skip
+
+
 def test_the_run_checks_read_the_stored_knobs():
     """A stored knob the rules refuse refuses the run like one of its own config."""
     stored, _ = PartitionSettings("tiny").with_launch(
