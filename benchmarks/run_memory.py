@@ -6,7 +6,10 @@
 
 ``--attach`` samples a run already going (the ``dagster job execute`` process ``make run``
 starts, or ``make`` itself) until it ends, the same way, without starting one: a ``make run``
-in a fresh clone measured as it is.
+in a fresh clone measured as it is. Its output is not this script's to read, so an attached
+run's figures are memory only (no longest line or silence: time-stamp the run's own output for
+those); run it with a Python that has psutil (the project's ``.venv`` once ``make setup`` has
+installed the packages).
 
 What ``make run`` does after its setup (``cluster-pipeline datasets sync``, ``cluster-pipeline
 run-config``, ``dagster job execute -j main_job``), in a fresh data folder and Dagster instance
