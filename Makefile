@@ -93,7 +93,7 @@ run: $(VENV)/.installed $(BWRAP)
 	$(BIN)/cluster-pipeline run-config $(PROFILE) > .run_config.yaml.tmp && mv .run_config.yaml.tmp .run_config.yaml
 	PYTHONWARNINGS='ignore:Function `job_execute_command` is superseded' \
 	$(BIN)/dagster job execute -m cluster_pipeline.definitions -j $(JOB) -c .run_config.yaml \
-		--tags "$$($(PARTITION_TAG))"
+		--tags "$$($(PARTITION_TAG))" || $(BIN)/cluster-pipeline report "$$DATASET" --failed
 	@$(BIN)/cluster-pipeline report "$$DATASET"
 
 # The whole test suite, slow end-to-end tests included (what CI runs), spread over up to 4
