@@ -119,8 +119,9 @@ class ClusterResult:
             f"k-means: best of {fit.restarts} runs on {fit.sample_size} samples (inertia "
             f"{fit.inertia:.4f}, runs {min(fit.restart_inertias):.4f}-"
             f"{max(fit.restart_inertias):.4f}, {max(fit.restart_iterations)} iterations at most)",
-            f"weights by size n_c K / N {[round(float(w), 4) for w in weights]}: the ranks' "
-            "weights under balance: samples (balance: tokens weighs by response tokens)",
+            f"cluster weights by size, n_c K / N = {[round(float(w), 4) for w in weights]}: "
+            "the ranks' weights only under balance: samples; peripheral_subsets sets and logs "
+            "the weights a run trains with",
         ]
 
 
