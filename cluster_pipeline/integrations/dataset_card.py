@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster_pipeline.data.datasets import SourceLicense
+from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.integrations.export_spec import (
     DATASET_DICT,
     FEATURES,
@@ -328,9 +329,16 @@ def _provenance(facts: CardFacts) -> str:
         stages = ",".join(prov.run_config.get("ops", {}))
         # As a shell reads it: a name with spaces or quotes stays one word.
         again = shlex.join(["cluster-pipeline", "rerun", "run_config.yaml", "--dataset", d])
+        # The built-in dataset is read from the running interpreter's standard library, not
+        # from a folder (data/stdlib_dataset.py): the same Python version gives the same pool.
+        sources = (
+            "the same Python version (the pool is its standard library)"
+            if d == STDLIB_DATASET
+            else f"the source files above in `data/raw/{d}/`"
+        )
         parts.append(
-            "**Repeat it.** With the code at that commit and the source files above in "
-            f"`data/raw/{d}/`, this run config repeats the selection: save it as "
+            f"**Repeat it.** With the code at that commit and {sources}, this run config "
+            "repeats the selection: save it as "
             f"`run_config.yaml` and run `{again}` "
             f"(it materializes {stages} for partition `{d}`).\n\n```yaml\n{config}```"
         )

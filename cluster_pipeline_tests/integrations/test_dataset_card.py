@@ -241,8 +241,22 @@ def test_the_provenance_repeats_the_selection():
         assert line in provenance, line
     assert "`data/shards/tiny/set/rank_0.json`" in provenance
     assert "cluster-pipeline rerun run_config.yaml --dataset tiny" in provenance
+    assert "With the code at that commit and the source files above in `data/raw/tiny/`" in (
+        provenance
+    )
     config = provenance.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(config) == RUN_CONFIG
+    # The built-in dataset is no folder: the same Python version gives its pool (issue 44's
+    # trial: the card told a user to put its files in data/raw/python_stdlib/).
+    facts = _facts(None)
+    stdlib = replace(facts, source=replace(facts.source, dataset="python_stdlib"))
+    _, body = _split(build_card(stdlib))
+    assert (
+        "**Repeat it.** With the code at that commit and the same Python version (the pool is "
+        "its standard library), this run config repeats the selection"
+    ) in body
+    repeat = body.split("**Repeat it.**", 1)[1].split("```", 1)[0]
+    assert "data/raw/" not in repeat
     # No URI of a table: they name folders of the machine that made them.
     assert "/t/raw" not in body and "/m/rank_0.json" not in body
 
