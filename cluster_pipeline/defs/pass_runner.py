@@ -440,7 +440,7 @@ class DagsterPassRunner:
         if self._targets is None:
             raise ValueError("read the target set first")
         table, _ = self._targets
-        frame = table.read(["source_file"])
+        frame = table.read()  # at most target_size rows; source_index where the table has it
         return np.asarray(target_tasks(frame, self._target_name), dtype=str)
 
     def target_set(self, target: str | None, size: int) -> int:

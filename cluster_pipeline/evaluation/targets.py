@@ -125,9 +125,11 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
             return [""] * len(files)
         prefix = f"{target}:"
         return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
-    tasks = record_field_values(
-        files, frame["source_index"].to_list(), TASK_FIELDS, f"target {target!r}'s tasks"
+    # A table written before source_index (its records' places) keeps its files as tasks.
+    indices = (
+        frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
+    tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
     return [file if task is None else task for file, task in zip(files, tasks, strict=True)]
 
 

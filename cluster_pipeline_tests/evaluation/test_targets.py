@@ -89,3 +89,6 @@ def test_the_task_of_each_target_sample(tmp_path):
     frame = target_samples(str(folder), 10, [])
     a, b = str(folder / "a.jsonl"), str(folder / "b.jsonl")
     assert target_tasks(frame, str(folder)) == ["gsm8k", a, "7", b, b, "gsm8k"]
+    # A target table written before source_index: its files are its tasks.
+    old = frame.drop("source_index")
+    assert target_tasks(old, str(folder)) == [a, a, b, b, b, b]
