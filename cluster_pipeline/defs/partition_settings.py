@@ -261,11 +261,13 @@ def run_settings_line(
     of its stages it takes from earlier launches; None when there is neither."""
     taken = []
     for stage in stages:
-        for knob, value in sorted(_kept(stage, stored.knobs(stage)).items()):
-            if knob not in launched.get(stage, {}):
-                origin = stored.origin(stage, knob)
-                by = f" ({origin})" if origin else ""
-                taken.append(f"{stage}.{knob} = {_shown(value)}{by}")
+        # Those the run takes: another selector's knobs stay in the file unused (_taken).
+        for knob, value in sorted(
+            _taken(stage, stored.knobs(stage), launched.get(stage, {})).items()
+        ):
+            origin = stored.origin(stage, knob)
+            by = f" ({origin})" if origin else ""
+            taken.append(f"{stage}.{knob} = {_shown(value)}{by}")
     if not taken and not changes:
         return None
     parts = []

@@ -166,6 +166,11 @@ def test_a_selectors_stored_knobs_apply_to_that_selector_only():
     }
     check_stages(effective_run_config({"ops": {"peripheral_subsets": {"config": {
         "selector": "balanced_random"}}}}, {}, stored), ["peripheral_subsets"])  # fmt: skip
+    # The run's settings line names only what the run takes.
+    assert run_settings_line("tiny", "f", ["peripheral_subsets"], other, stored, []) == (
+        "settings of dataset partition 'tiny' (f): not given by this run's config, kept from "
+        "earlier launches: peripheral_subsets.ratio = 0.3 (run r)"
+    )
     ifd_knobs = {"ratio": 0.3, "ifd_end_of_turn": True, "ifd_truncated": True}
     assert effective_ops({}, stored) == {"peripheral_subsets": {"selector": "ifd", **ifd_knobs}}
     shared = {"peripheral_subsets": {"selector": "cluster_ifd"}}
