@@ -102,7 +102,8 @@ def _cost(selector: str, subsets: dict, clustering_seconds: float) -> dict:
         "clustering_seconds": round(clustering_seconds, 1) if selector in CLUSTERED else 0.0,
         "forward": sum(p["samples"] for p in passes),
         "backward": sum(p["backward"] for p in passes),
-        "peak_rss_mib": max((p.get("peak_rss_mib") or 0.0) for p in passes) or None,
+        # None for a selector without a model pass (balanced_random, longest).
+        "peak_rss_mib": max(((p.get("peak_rss_mib") or 0.0) for p in passes), default=0.0) or None,
         "selected": subsets["selected_samples"],
         "data_fraction": subsets["data_fraction"],
     }

@@ -60,9 +60,10 @@ def test_each_cluster_keeps_its_highest_ifd_under_sample_balance():
     np.testing.assert_allclose(result.weight, [6 / 7] * 3 + [8 / 7] * 4)
     assert result.score is not None
     np.testing.assert_allclose(result.score, IFD, rtol=1e-6)
-    # The cost: ifd's two passes, asked exactly as ifd asks them.
+    # The cost: the pool pass its clusters come from (the selection_cost benchmark found it
+    # left out), then ifd's two passes, asked exactly as ifd asks them.
     assert result.cost is not None
-    assert [p.name for p in result.cost.passes] == ["conditioned", "unconditioned"]
+    assert [p.name for p in result.cost.passes] == ["embedding", "conditioned", "unconditioned"]
     assert runner.requests == [
         ForwardPass("conditioned", end_of_turn=False, label="ifd conditioned pass"),
         ForwardPass(

@@ -416,6 +416,9 @@ def gather_inputs(
     extra = {k: v for k, v in gathered.inputs.items() if k not in fields}
     reads = gathered.reads_pool_pass
     reads = PASS_EMBEDDING in spec.passes if reads is None else reads
+    # A clustered selector's clusters come from the pool pass, whatever its own passes read
+    # (cluster_ifd: ifd's passes, which skip the pool pass's losses, and the clusters).
+    reads = reads or spec.clustered
     first = (pool.cost,) if pool.cost is not None and reads else ()
     inputs = SelectionInputs(
         labels=np.asarray(pool.labels, dtype=np.int64),
