@@ -56,9 +56,9 @@ def failure_lines(instance, dataset: str) -> list[str]:
     out = []
     for record in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE):
         event = record.dagster_event
-        data = event.step_failure_data if event is not None else None
-        if data is None:
+        if event is None or event.step_failure_data is None:
             continue
+        data = event.step_failure_data
         if data.user_failure_data is not None and data.user_failure_data.description:
             why = data.user_failure_data.description
         else:

@@ -126,7 +126,7 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
         prefix = f"{target}:"
         return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
     # A table written before source_index (its records' places) keeps its files as tasks.
-    indices = (
+    indices: list[int | None] = (
         frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
     tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
