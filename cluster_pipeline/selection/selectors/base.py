@@ -443,3 +443,37 @@ def global_selection(
     return SelectionResult(
         name, copies > 0, copies, rank, np.ones(n), ones, int(copies.sum()), score=score
     )
+
+
+def keep_first_in_clusters(
+    name: str,
+    inputs: SelectionInputs,
+    params: SelectionParams,
+    rank: np.ndarray,
+    score: np.ndarray | None,
+) -> SelectionResult:
+    """The balanced rule of the clustered selectors (docs/design.md, step 3): each cluster keeps
+    its first samples in ``rank`` (a sample's 0-based place in its cluster), ``floor(r m)`` of
+    them (m the smallest cluster's size) with weight w_c = n_c K / N, or under token balance
+    its longest prefix within B = floor(r min_c L_c) tokens with w_c = K R_c / R."""
+    labels = np.asarray(inputs.labels, dtype=np.int64)
+    k = inputs.k
+    copies = np.zeros(inputs.n, dtype=np.int64)
+    if params.balance == "tokens":
+        lengths = np.asarray(inputs.lengths, dtype=np.int64)
+        budget = token_budget(cluster_tokens(inputs), params.r)
+        copies[prefix_within(labels, rank, lengths, k, budget)] = 1
+        response = np.asarray(inputs.response_tokens, dtype=np.int64)
+        weights = cluster_weights(np.bincount(labels, weights=response, minlength=k))
+        kept = int(np.bincount(labels[copies > 0], minlength=k).max())
+        return SelectionResult(
+            name, copies > 0, copies, rank, weights[labels], weights, kept, "tokens", budget,
+            score=score,
+        )  # fmt: skip
+    sizes = np.bincount(labels, minlength=k)
+    weights = cluster_weights(sizes)
+    keep = per_cluster_budget(sizes, params.r)
+    copies[rank < keep] = 1
+    return SelectionResult(
+        name, copies > 0, copies, rank, weights[labels], weights, keep, score=score
+    )

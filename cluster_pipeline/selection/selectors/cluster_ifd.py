@@ -39,12 +39,8 @@ from cluster_pipeline.selection.selectors.base import (
     SelectionParams,
     SelectionResult,
     SelectorSpec,
-    cluster_tokens,
-    cluster_weights,
-    per_cluster_budget,
-    prefix_within,
+    keep_first_in_clusters,
     rank_within,
-    token_budget,
 )
 
 
@@ -66,35 +62,8 @@ def cluster_ifd(inputs: SelectionInputs, params: SelectionParams) -> SelectionRe
     score = IFD (module docstring)."""
     score = ifd.scores_of(inputs)
     labels = np.asarray(inputs.labels, dtype=np.int64)
-    n, k = inputs.n, inputs.k
-    rank = rank_within(labels, ifd_order(score).astype(np.float64), k)
-    copies = np.zeros(n, dtype=np.int64)
-    if params.balance == "tokens":
-        budget = token_budget(cluster_tokens(inputs), params.r)
-        lengths = np.asarray(inputs.lengths, dtype=np.int64)
-        copies[prefix_within(labels, rank, lengths, k, budget)] = 1
-        response = np.asarray(inputs.response_tokens, dtype=np.int64)
-        weights = cluster_weights(np.bincount(labels, weights=response, minlength=k))
-        kept = int(np.bincount(labels[copies > 0], minlength=k).max())
-        return SelectionResult(
-            "cluster_ifd",
-            copies > 0,
-            copies,
-            rank,
-            weights[labels],
-            weights,
-            kept,
-            "tokens",
-            budget,
-            score=score,
-        )
-    sizes = np.bincount(labels, minlength=k)
-    keep = per_cluster_budget(sizes, params.r)
-    weights = cluster_weights(sizes)
-    copies[rank < keep] = 1
-    return SelectionResult(
-        "cluster_ifd", copies > 0, copies, rank, weights[labels], weights, keep, score=score
-    )
+    rank = rank_within(labels, ifd_order(score).astype(np.float64), inputs.k)
+    return keep_first_in_clusters("cluster_ifd", inputs, params, rank, score)
 
 
 SELECTORS = (

@@ -35,11 +35,8 @@ from cluster_pipeline.selection.selectors.base import (
     SelectionResult,
     SelectorSpec,
     cluster_tokens,
-    cluster_weights,
-    per_cluster_budget,
-    prefix_within,
+    keep_first_in_clusters,
     rank_within,
-    token_budget,
 )
 
 
@@ -63,38 +60,9 @@ def _budgeted(name: str, inputs: SelectionInputs, params: SelectionParams) -> Se
     """``peripheral``, ``core`` and ``random``: each cluster's first ``keep`` samples (or B
     tokens) in the selector's order, weight w_c."""
     labels = np.asarray(inputs.labels, dtype=np.int64)
-    n, k = inputs.n, inputs.k
     rng = np.random.default_rng(params.seed)
-    copies = np.zeros(n, dtype=np.int64)
-    score = _score(name, inputs)
-    if params.balance == "tokens":
-        lengths = np.asarray(inputs.lengths, dtype=np.int64)
-        budget = token_budget(cluster_tokens(inputs), params.r)
-        rank = rank_within(labels, _order_key(name, inputs, rng), k)
-        copies[prefix_within(labels, rank, lengths, k, budget)] = 1
-        response = np.asarray(inputs.response_tokens, dtype=np.int64)
-        weights = cluster_weights(np.bincount(labels, weights=response, minlength=k))
-        kept = int(np.bincount(labels[copies > 0], minlength=k).max())
-        return SelectionResult(
-            name,
-            copies > 0,
-            copies,
-            rank,
-            weights[labels],
-            weights,
-            kept,
-            "tokens",
-            budget,
-            score=score,
-        )
-    sizes = np.bincount(labels, minlength=k)
-    weights = cluster_weights(sizes)
-    keep = per_cluster_budget(sizes, params.r)
-    rank = rank_within(labels, _order_key(name, inputs, rng), k)
-    copies[rank < keep] = 1
-    return SelectionResult(
-        name, copies > 0, copies, rank, weights[labels], weights, keep, score=score
-    )
+    rank = rank_within(labels, _order_key(name, inputs, rng), inputs.k)
+    return keep_first_in_clusters(name, inputs, params, rank, _score(name, inputs))
 
 
 def peripheral(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
