@@ -14,7 +14,9 @@ from cluster_pipeline.selection.selectors import (
 from cluster_pipeline.selection.selectors.s2l import (
     S2LKnobs,
     balanced_sampling,
+    source_split,
     trajectory_clusters,
+    unclustered_sources,
 )
 
 
@@ -226,3 +228,38 @@ def test_the_budget_is_split_over_sources_then_clusters_as_the_authors_code(budg
         SelectionParams(r=budget / n, knobs=S2LKnobs(s2l_clusters=3, s2l_sources=False)),
     )
     assert one.n_selected == budget and not np.array_equal(one.selected, result.selected)
+
+
+def test_a_source_with_no_more_samples_than_clusters_is_named_and_drawn_at_random():
+    """The authors' faiss k-means stops on a source with fewer samples than clusters
+    (schedules/s2l.py:113-114: ``faiss.Kmeans(d, n_components)``; faiss requires nx >= k); the
+    product clusters such a source into one cluster per sample, so its draw is random, and
+    ``gather`` logs one line per such source (issue 41's S2L departure, measured on the
+    ``mixed`` pool where every source had fewer samples than the default 100 clusters)."""
+    sources = np.array(["b"] * 3 + ["a"] * 5 + ["c"] * 2)
+    lines = unclustered_sources(sources, len(sources), 3)
+    tail = (
+        "each is a trajectory cluster of its own, so its share is drawn uniformly at random "
+        "(the authors' faiss k-means stops on fewer samples than clusters); for trajectory "
+        "clusters there, set peripheral_subsets.s2l_clusters below "
+    )
+    assert lines == [
+        "s2l: source 'b' has 3 samples, no more than s2l_clusters (3): " + tail + "3",
+        "s2l: source 'c' has 2 samples, no more than s2l_clusters (3): " + tail + "2",
+    ]
+    assert unclustered_sources(None, 3, 3) == [
+        "s2l: the pool has 3 samples, no more than s2l_clusters (3): " + tail + "3"
+    ]
+    assert unclustered_sources(None, 4, 3) == []
+    assert unclustered_sources(sources, len(sources), 2) == [
+        "s2l: source 'c' has 2 samples, no more than s2l_clusters (2): " + tail + "2"
+    ]
+    # What the line says: at a budget of 3 (one per source, none kept whole) source b (3
+    # samples, 3 clusters) gets one trajectory cluster per sample; source a (5 samples) gets 3
+    # clusters for 5 samples.
+    rng = np.random.default_rng(0)
+    trajectories = rng.normal(size=(len(sources), 4)).astype(np.float32)
+    _, selected, groups = source_split(trajectories, sources, 3, 3, 0)
+    assert selected.sum() == 3 and (groups >= 0).all()
+    assert len(set(groups[sources == "b"].tolist())) == 3
+    assert len(set(groups[sources == "a"].tolist())) == 3

@@ -366,6 +366,41 @@ def s2l(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
     )
 
 
+def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> list[str]:
+    """One line per source with no more samples than ``clusters``: k-means would make each of
+    its samples a trajectory cluster of its own (``source_split`` asks for at most as many
+    clusters as the source has samples), so wherever that source is drawn from, the draw is
+    uniformly random. The authors' ``faiss.Kmeans(d, n_components)`` stops on a source with
+    fewer samples than clusters (``schedules/s2l.py:113-114``); this project goes on and says so.
+
+    Args:
+        sources: (N,) str each sample's source; None: the pool is one source.
+        n: the pool's samples N.
+        clusters: ``s2l_clusters``.
+
+    Returns:
+        The lines, sources in name order; empty when every source has more samples.
+    """
+    if sources is None:
+        names, sizes = np.array(["the pool"]), np.array([n])
+        where = "the pool has"
+    else:
+        names, sizes = np.unique(np.asarray(sources).astype(str), return_counts=True)
+        where = ""
+    lines = []
+    for name, size in zip(names.tolist(), sizes.tolist(), strict=True):
+        if size > clusters:
+            continue
+        what = where or f"source {name!r} has"
+        lines.append(
+            f"s2l: {what} {size} samples, no more than s2l_clusters ({clusters}): each is a "
+            "trajectory cluster of its own, so its share is drawn uniformly at random (the "
+            "authors' faiss k-means stops on fewer samples than clusters); for trajectory "
+            f"clusters there, set peripheral_subsets.s2l_clusters below {size}"
+        )
+    return lines
+
+
 def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
     """s2l's passes: the proxy run over the whole pool (reused when finished, resumed when
     killed), then one loss pass per checkpoint, cached per sample under the checkpoint's own
@@ -399,6 +434,8 @@ def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
     if sources is not None:
         inputs["sources"] = sources
         runner.log(f"s2l: {len(set(sources.tolist()))} source(s) in the pool")
+    for line in unclustered_sources(sources, pool.n, knobs.s2l_clusters):
+        runner.log(line)
     return Gathered(
         inputs=inputs,
         passes=tuple(costs),
