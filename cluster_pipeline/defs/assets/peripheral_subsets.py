@@ -54,9 +54,10 @@ def peripheral_subsets(
     (n_c K / N under sample balance, K R_c / R by response tokens under token balance; 1 for
     selectors without re-weighting) and ``score``, what the selector ranks by (null for the
     random orders). The metadata holds the selector's cost: its seconds and the forward/backward
-    passes it needed. docs/design.md, steps 3 and 5. Tracked as an MLflow run, a child of the
-    Dagster run's pipeline run: knobs and earlier stages' configs as params, cost and subset
-    figures as metrics, the pool as dataset input, the PCA map and the run config as artifacts.
+    passes it needed; the selector's notes (less than the knobs ask) are warnings. docs/design.md,
+    steps 3 and 5. Tracked as an MLflow run, a child of the Dagster run's pipeline run: knobs and
+    earlier stages' configs as params, cost and subset figures as metrics, the pool as dataset
+    input, the PCA map and the run config as artifacts.
     """
     dataset, selector, start = context.partition_key, config.selector, time.perf_counter()
     clusters = read_record(context, BalancedClustersRecord)
@@ -84,6 +85,8 @@ def peripheral_subsets(
         empty = empty_ranks(result, pool.labels, pool.k, config.ratio, pool.n)
         if empty is not None:
             raise dg.Failure(description=f"{dataset}: {empty}")
+        for note in result.notes:
+            context.log.warning(f"{dataset}: {note}")
         frame = with_selection(frame, result)
         table = write_table(
             frame,
