@@ -6,7 +6,7 @@ import dagster as dg
 
 from cluster_pipeline.defs.configs import PeripheralSubsetsConfig
 from cluster_pipeline.defs.metadata import (
-    selection_log_lines,
+    log_selection,
     selection_map,
     start_selection_run,
     subset_display,
@@ -85,8 +85,6 @@ def peripheral_subsets(
         empty = empty_ranks(result, pool.labels, pool.k, config.ratio, pool.n)
         if empty is not None:
             raise dg.Failure(description=f"{dataset}: {empty}")
-        for note in result.notes:
-            context.log.warning(f"{dataset}: {note}")
         frame = with_selection(frame, result)
         table = write_table(
             frame,
@@ -106,8 +104,7 @@ def peripheral_subsets(
             gathered.details, runner.tables, runner.wall_seconds, table, seconds, summary, diversity
         )
         record = selection_record(config, result, clusters, outcome)
-        for line in selection_log_lines(record):
-            context.log.info(line)
+        log_selection(context.log, record, result.notes, dataset)
         title = f"{selector} r={config.ratio}: selected samples ringed"
         map_png = selection_map(frame, embeddings, clusters.representation, result.selected, title)
         track_selection(tracker, run_id, record, map_png, dataset)
