@@ -20,6 +20,7 @@ from cluster_pipeline.defs.records import (
     selection_record,
 )
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource, TrackingResource
+from cluster_pipeline.defs.run_checks import refused_in_step
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
 from cluster_pipeline.selection.passes import PassFailed, SelectionFacts
@@ -54,10 +55,9 @@ def peripheral_subsets(
     (n_c K / N under sample balance, K R_c / R by response tokens under token balance; 1 for
     selectors without re-weighting) and ``score``, what the selector ranks by (null for the
     random orders). The metadata holds the selector's cost: its seconds and the forward/backward
-    passes it needed; the selector's notes (less than the knobs ask) are warnings. docs/design.md,
-    steps 3 and 5. Tracked as an MLflow run, a child of the Dagster run's pipeline run: knobs and
-    earlier stages' configs as params, cost and subset figures as metrics, the pool as dataset
-    input, the PCA map and the run config as artifacts.
+    passes it needed; the selector's notes are warnings. docs/design.md, steps 3 and 5. Tracked
+    as an MLflow run (a child of the pipeline run): knobs and configs as params, cost and subset
+    figures as metrics, the pool as dataset input, the PCA map and run config as artifacts.
     """
     dataset, selector, start = context.partition_key, config.selector, time.perf_counter()
     clusters = read_record(context, BalancedClustersRecord)
@@ -71,7 +71,7 @@ def peripheral_subsets(
     # Before any pass: the selector's own rules, and whether it can fill every rank at all.
     problems = problems_before_passes(selector, knobs, facts, pool, config.ratio, config.balance)
     if problems:
-        raise dg.Failure(description=f"{dataset}: {'; '.join(problems)}")
+        raise refused_in_step(context, storage.layout, f"{dataset}: {'; '.join(problems)}")
     tracker = tracking.tracker(storage.layout, context.log.warning)
     run_id, pipeline_run = start_selection_run(tracker, context, config, clusters)
     with tracker.ending(run_id, pipeline_run):
@@ -80,11 +80,11 @@ def peripheral_subsets(
             inputs, gathered = gather_inputs(selector, knobs, pool, runner)
             result = run_selector(selector, inputs, params)
         except (PassFailed, ValueError) as e:
-            raise dg.Failure(description=f"{dataset}: {e}") from e
+            raise refused_in_step(context, storage.layout, f"{dataset}: {e}") from e
         # The one place a subset is written: never one that leaves a rank with nothing.
         empty = empty_ranks(result, pool.labels, pool.k, config.ratio, pool.n)
         if empty is not None:
-            raise dg.Failure(description=f"{dataset}: {empty}")
+            raise refused_in_step(context, storage.layout, f"{dataset}: {empty}")
         frame = with_selection(frame, result)
         table = write_table(
             frame,
