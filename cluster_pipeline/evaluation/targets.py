@@ -112,7 +112,7 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
     string or number, not empty: issue 41's "a `task` field"), else its file (one file per
     task, as RDS+ takes one file per evaluation set,
     ``minimal_multitask/get_top_aggregated_influences.py``); "" for every sample of a code
-    benchmark (no tasks).
+    benchmark and of a one-file folder without a ``task`` field (no tasks).
 
     Raises:
         ValueError: a folder's file is gone or changed since :func:`target_samples` read it.
@@ -130,6 +130,8 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
         frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
     tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
+    if all(task is None for task in tasks) and len(set(files)) == 1:
+        return [""] * len(files)  # one file and no task field: no tasks, as a code benchmark
     return [file if task is None else task for file, task in zip(files, tasks, strict=True)]
 
 

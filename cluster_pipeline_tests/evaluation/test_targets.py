@@ -92,3 +92,10 @@ def test_the_task_of_each_target_sample(tmp_path):
     # A target table written before source_index: its files are its tasks.
     old = frame.drop("source_index")
     assert target_tasks(old, str(folder)) == [a, a, b, b, b, b]
+    # One file and no `task` field: no tasks ("", as a code benchmark; LESS then takes the max
+    # over single targets); one file whose records all name one task: that task (LESS's mean).
+    write_jsonl(tmp_path / "one" / "c.jsonl", records[:3])
+    assert target_tasks(target_samples(str(tmp_path / "one"), 10, []), "one") == ["", "", ""]
+    write_jsonl(tmp_path / "same" / "c.jsonl", [{**r, "task": "same"} for r in records[:3]])
+    same = target_samples(str(tmp_path / "same"), 10, [])
+    assert target_tasks(same, str(tmp_path / "same")) == ["same", "same", "same"]
