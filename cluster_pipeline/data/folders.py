@@ -14,6 +14,7 @@ one-line JSON array share a line), so a trained-on sample can be traced back to 
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,6 +193,18 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
                 f"{path}: holds no records ({empty or 'none read'}); remove the file or put the "
                 "dataset's records in it."
             )
+
+
+# A shard's place in its file name, as the Hub's datasets write them (``train-00000-of-00002
+# .parquet``; ``save_to_disk``'s ``data-00000-of-00001.arrow``).
+_SHARD = re.compile(r"-\d{5}-of-\d{5}(?=\.[^./]+$)")
+
+
+def file_group(file: str) -> str:
+    """The file a sample's source or task is named by when its record names none: the file
+    itself, a shard of a sharded file being the whole file (``code/train-00001-of-00002.parquet``
+    -> ``code/train.parquet``), so a dataset saved in shards is one source, not one per shard."""
+    return _SHARD.sub("", file)
 
 
 def record_field_values(

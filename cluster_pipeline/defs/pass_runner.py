@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from cluster_pipeline.data.datasets import samples_fingerprint
-from cluster_pipeline.data.folders import record_field_values
+from cluster_pipeline.data.folders import file_group, record_field_values
 from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -874,7 +874,8 @@ def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
     """Each sample's source, as S2L's per-source split and ``balanced_random`` read it: its
     record's ``source`` field, else its ``dataset`` field (:data:`SOURCE_FIELDS`; a string or
     number, not empty), else the file it was read from
-    (:func:`~cluster_pipeline.data.folders.record_field_values`).
+    (:func:`~cluster_pipeline.data.folders.record_field_values`), the shards of one sharded
+    file being one source (:func:`~cluster_pipeline.data.folders.file_group`).
 
     Args:
         files: (N,) each sample's ``source_file`` ("" for none).
@@ -890,6 +891,9 @@ def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
     """
     values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources")
     return np.array(
-        [file if value is None else value for file, value in zip(files, values, strict=True)],
+        [
+            file_group(file) if value is None else value
+            for file, value in zip(files, values, strict=True)
+        ],
         dtype=str,
     )

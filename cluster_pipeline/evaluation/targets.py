@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from cluster_pipeline.data.datasets import build_instruction_table
-from cluster_pipeline.data.folders import record_field_values
+from cluster_pipeline.data.folders import file_group, record_field_values
 from cluster_pipeline.data.formats import Sample, read_dataset_folder
 
 # evaluation.suites imports torch; it is imported where it is used, so that the run checks (and
@@ -130,9 +130,10 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
         frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
     tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
-    if all(task is None for task in tasks) and len(set(files)) == 1:
+    groups = [file_group(file) for file in files]  # a sharded file's shards: one task
+    if all(task is None for task in tasks) and len(set(groups)) == 1:
         return [""] * len(files)  # one file and no task field: no tasks, as a code benchmark
-    return [file if task is None else task for file, task in zip(files, tasks, strict=True)]
+    return [group if task is None else task for group, task in zip(groups, tasks, strict=True)]
 
 
 def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFrame:

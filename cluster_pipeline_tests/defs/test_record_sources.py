@@ -61,3 +61,37 @@ def test_a_gone_or_shorter_file_is_named(tmp_path):
         ValueError, match=r"gone\.jsonl: the file is gone, so the pool's sources .*raw_instructions"
     ):
         record_sources([gone], [0])
+
+
+def test_the_shards_of_one_sharded_file_are_one_source(tmp_path):
+    """A dataset saved in shards (the Hub's ``train-00000-of-00002.parquet``, save_to_disk's
+    ``data-00000-of-00001.arrow``) is one source, not one per shard (a helper's trial: two
+    parquet shards took two thirds of balanced_random's budget beside one JSONL file); the
+    same for a target folder's tasks."""
+    import polars as pl
+
+    from cluster_pipeline.data.folders import file_group
+    from cluster_pipeline.evaluation.targets import target_samples, target_tasks
+
+    assert file_group("d/code/train-00001-of-00002.parquet") == "d/code/train.parquet"
+    assert file_group("d/data-00000-of-00001.arrow") == "d/data.arrow"
+    assert file_group("d/train-0001-of-0002.parquet") == "d/train-0001-of-0002.parquet"
+    assert file_group("d/v-00001-of-00002/x.json") == "d/v-00001-of-00002/x.json"
+    code = tmp_path / "code"
+    code.mkdir()
+    rows = [{"instruction": f"q{i}", "output": f"r{i}"} for i in range(4)]
+    pl.DataFrame(rows[:2]).write_parquet(code / "train-00000-of-00002.parquet")
+    pl.DataFrame(rows[2:]).write_parquet(code / "train-00001-of-00002.parquet")
+    (tmp_path / "words.jsonl").write_text(json.dumps(rows[0] | {"instruction": "w"}) + "\n")
+    samples = list(read_dataset_folder(tmp_path))
+    got = record_sources([s.source_file for s in samples], [s.source_index for s in samples])
+    whole = str(code / "train.parquet")
+    assert got.tolist() == [whole, whole, whole, whole, str(tmp_path / "words.jsonl")]
+    # A target folder of one sharded file names no task; beside another file, one task each.
+    frame = target_samples(str(code), 10, [])
+    assert target_tasks(frame, str(code)) == ["", "", "", ""]
+    frame = target_samples(str(tmp_path), 10, [])
+    assert sorted(set(target_tasks(frame, str(tmp_path)))) == [
+        whole,
+        str(tmp_path / "words.jsonl"),
+    ]
