@@ -141,7 +141,8 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
     distinct samples, columns of ``raw_instructions`` (split ``train``).
 
     Raises:
-        ValueError: :func:`target_problem`'s reasons, or the set holds no sample.
+        ValueError: :func:`target_problem`'s reasons, the set holds no sample, or every
+            sample's response is empty (nothing to pool or take a gradient over).
         DatasetFormatError: a folder's file or record cannot be read (names file and line).
     """
     from cluster_pipeline.evaluation.suites import SUITES, find_eval_file
@@ -169,5 +170,11 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
                 break
     if not samples:
         raise ValueError(f"target {target!r} holds no sample")
+    if not any(s.response.strip() for s in samples):
+        raise ValueError(
+            f"target {target!r}: every one of its {len(samples)} samples has an empty response; "
+            "rds pools and less and cluster_less take gradients over the answer's tokens: give "
+            "samples with answers"
+        )
     frame, _ = build_instruction_table(samples, 0.0, None, None, seed=0)
     return frame
