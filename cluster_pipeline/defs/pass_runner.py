@@ -429,6 +429,7 @@ class DagsterPassRunner:
         return record_sources(
             joined["source_file"].fill_null("").to_list(),
             joined["source_index"].to_list(),
+            (self.storage.layout.raw_dir / self.dataset, joined["sample_id"].to_list()),
         )
 
     def target_tasks(self) -> np.ndarray:
@@ -870,7 +871,11 @@ def evaluator(
 SOURCE_FIELDS = ("source", "dataset")
 
 
-def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
+def record_sources(
+    files: list[str],
+    indices: list[int | None],
+    identity: tuple[Path, list[str]] | None = None,
+) -> np.ndarray:
     """Each sample's source, as S2L's per-source split and ``balanced_random`` read it: its
     record's ``source`` field, else its ``dataset`` field (:data:`SOURCE_FIELDS`; a string or
     number, not empty), else the file it was read from
@@ -881,15 +886,18 @@ def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
         files: (N,) each sample's ``source_file`` ("" for none).
         indices: (N,) each sample's ``source_index`` (0-based place among the file's records;
             None for a table written before that column, whose samples keep their file).
+        identity: (the dataset folder, (N,) each sample's ``sample_id``): each record read must
+            still be that sample (:func:`~cluster_pipeline.data.folders.record_field_values`).
 
     Returns:
         (N,) str array of sources.
 
     Raises:
-        ValueError: a file is gone, or holds fewer records than an index names (it changed
-            since ``raw_instructions`` read it): naming the file and what to do.
+        ValueError: a file is gone, holds fewer records than an index names, or another sample
+            at an index (it changed since ``raw_instructions`` read it): naming the file and
+            what to do.
     """
-    values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources")
+    values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources", identity)
     return np.array(
         [
             file_group(file) if value is None else value

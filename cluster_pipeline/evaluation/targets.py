@@ -129,7 +129,13 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
     indices: list[int | None] = (
         frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
-    tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
+    tasks = record_field_values(
+        files,
+        indices,
+        TASK_FIELDS,
+        f"target {target!r}'s tasks",
+        (Path(target), frame["sample_id"].to_list()),
+    )
     groups = [file_group(file) for file in files]  # a sharded file's shards: one task
     if all(task is None for task in tasks) and len(set(groups)) == 1:
         return [""] * len(files)  # one file and no task field: no tasks, as a code benchmark
