@@ -426,11 +426,16 @@ class DagsterPassRunner:
             how="left",
             maintain_order="left",
         )
-        return record_sources(
-            joined["source_file"].fill_null("").to_list(),
+        files = joined["source_file"].fill_null("").to_list()
+        sources = record_sources(
+            files,
             joined["source_index"].to_list(),
             (self.storage.layout.raw_dir / self.dataset, joined["sample_id"].to_list()),
         )
+        line = fallback_line(files, sources)
+        if line:
+            self.log(line)
+        return sources
 
     def target_tasks(self) -> np.ndarray:
         """(M,) str the task of each target sample (evaluation/targets.target_tasks).
@@ -869,6 +874,19 @@ def evaluator(
 # BigML-CS-UCLA/S2L schedules/s2l.py:21) and RDS+'s Tulu mixtures (``dataset``,
 # hamishivi/automated-instruction-selection scripts/construct_downsampled_balanced.py:28).
 SOURCE_FIELDS = ("source", "dataset")
+
+
+def fallback_line(files: list[str], sources: np.ndarray) -> str | None:
+    """The line saying how many samples took their file as their source beside others that a
+    record field names (None when all or none did): a `source` field missing from some
+    records mixes file names into the sources."""
+    fell_back = sum(str(s) == file_group(f) for f, s in zip(files, sources, strict=True))
+    if 0 < fell_back < len(files):
+        return (
+            f"{fell_back} of the pool's {len(files)} samples have no `source` or `dataset` field "
+            "(or an empty one): their file is their source, beside the field's values"
+        )
+    return None
 
 
 def record_sources(

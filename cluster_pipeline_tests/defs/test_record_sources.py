@@ -121,3 +121,23 @@ def test_a_file_rewritten_in_another_order_is_named_not_read_by_position(tmp_pat
     )
     # Without the identity (a caller that has none), by position, as before.
     assert record_sources(files, indices).tolist() == ["s1", "s0", "s2"]
+
+
+def test_the_lines_on_sources_say_what_they_make_of_the_draw():
+    """A source field missing from some records mixes files into the sources; one source makes
+    balanced_random random_global's draw: each is said (a helper's trial)."""
+    from cluster_pipeline.defs.pass_runner import fallback_line
+    from cluster_pipeline.selection.selectors.balanced_random import sources_line
+
+    files = ["d/a.jsonl", "d/a.jsonl", "d/b-00000-of-00002.parquet"]
+    assert fallback_line(files, np.array(["gsm8k", "d/a.jsonl", "d/b.parquet"])) == (
+        "2 of the pool's 3 samples have no `source` or `dataset` field (or an empty one): their "
+        "file is their source, beside the field's values"
+    )
+    assert fallback_line(files, np.array(["x", "y", "z"])) is None
+    assert fallback_line(files, np.array(["d/a.jsonl", "d/a.jsonl", "d/b.parquet"])) is None
+    assert sources_line(np.array(["a", "b", "a"])) == "balanced_random: 2 sources in the pool"
+    assert sources_line(np.array(["a", "a"])) == (
+        "balanced_random: 1 source in the pool, so the draw is random_global's; a `source` or "
+        "`dataset` field in the records, or one file per source, stratifies it"
+    )
