@@ -47,7 +47,7 @@ def main() -> None:
     from cluster_pipeline.selection.selectors.base import per_cluster_budget
     from cluster_pipeline.selection.selectors.s2l import source_split
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--product", type=Path, required=True, help="a quality run's <dataset>/product")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

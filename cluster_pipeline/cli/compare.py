@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help="the target set of a targeted selector (rds, less): a benchmark name or a folder; "
-        "left out for the other selectors, which refuse one",
+        help="the target set of a targeted selector (rds, less, cluster_less): a benchmark name "
+        "or a folder; left out for the other selectors, which refuse one",
     )
 
 
@@ -50,7 +50,7 @@ def compare_config(
 ) -> dict:
     """The run config of one selector x ratio x seed (see the module docstring): the seed is
     both the selection seed and the training seed (data order); ``target``: the target set of
-    a targeted selector (rds, less).
+    a targeted selector (rds, less, cluster_less).
 
     Raises:
         UnknownProfileError: ``profile`` is not a known size profile.

@@ -14,6 +14,7 @@ one-line JSON array share a line), so a trained-on sample can be traced back to 
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,8 +195,47 @@ def read_dataset_folder(folder: Path) -> Iterator[Sample]:
             )
 
 
+def _same_sample(
+    record: object,
+    file: str,
+    line: int,
+    index: int,
+    renames: dict[str, str] | None,
+    sample_id: str,
+    used_for: str,
+) -> None:
+    """Raise when ``record`` (record ``index`` of ``file``, at ``line``) is not the sample
+    ``sample_id`` that was read there (:func:`record_field_values`' ``identity``)."""
+    try:
+        found = normalise_record(record, file, line, renames, source_index=index).sample_id
+    except DatasetFormatError:
+        found = None
+    if found != sample_id:
+        raise ValueError(
+            f"{file}:{line}: record {index} is not the sample read there (sample {sample_id}), "
+            f"so {used_for} cannot be read from it: the file changed since it was read; "
+            "materialize raw_instructions again"
+        )
+
+
+# A shard's place in its file name, as the Hub's datasets write them (``train-00000-of-00002
+# .parquet``; ``save_to_disk``'s ``data-00000-of-00001.arrow``).
+_SHARD = re.compile(r"-\d{5}-of-\d{5}(?=\.[^./]+$)")
+
+
+def file_group(file: str) -> str:
+    """The file a sample's source or task is named by when its record names none: the file
+    itself, a shard of a sharded file being the whole file (``code/train-00001-of-00002.parquet``
+    -> ``code/train.parquet``), so a dataset saved in shards is one source, not one per shard."""
+    return _SHARD.sub("", file)
+
+
 def record_field_values(
-    files: list[str], indices: list[int | None], fields: tuple[str, ...], used_for: str
+    files: list[str],
+    indices: list[int | None],
+    fields: tuple[str, ...],
+    used_for: str,
+    identity: tuple[Path, list[str]] | None = None,
 ) -> list[str | None]:
     """Each sample's first non-empty field of ``fields`` in the record it was read from (a
     string or number, not a bool; a number as its ``str``): the record's ``source`` for S2L's
@@ -208,20 +248,26 @@ def record_field_values(
             None for a table written before that column).
         fields: the field names, first found wins.
         used_for: what the values are for, named in the errors ("the pool's sources").
+        identity: (the dataset folder, (N,) each sample's ``sample_id``): each record read is
+            turned into its sample again, under the folder's field renaming, and must be that
+            sample (a file rewritten in another order, same length, would otherwise give each
+            sample another record's field).
 
     Returns:
         (N,) the value, or None where the sample has no file or index, or its record none of
         ``fields``.
 
     Raises:
-        ValueError: a file is gone, or holds fewer records than an index names (it changed
-            since it was read): naming the file and what to do.
+        ValueError: a file is gone, holds fewer records than an index names, or (with
+            ``identity``) holds another sample at an index: it changed since it was read;
+            naming the file and record and what to do.
     """
     out: list[str | None] = [None] * len(files)
     wanted: dict[str, dict[int, list[int]]] = {}
     for row, (file, index) in enumerate(zip(files, indices, strict=True)):
         if file and index is not None:
             wanted.setdefault(file, {}).setdefault(int(index), []).append(row)
+    renames = read_fields(identity[0]) if identity is not None else None
     for file, places in wanted.items():
         path = Path(file)
         if not path.is_file():
@@ -231,7 +277,9 @@ def record_field_values(
                 "if the file was the pool's"
             )
         n = -1
-        for n, (_, record) in enumerate(iter_file_records(path)):
+        for n, (line, record) in enumerate(iter_file_records(path)):
+            if n in places and identity is not None:
+                _same_sample(record, file, line, n, renames, identity[1][places[n][0]], used_for)
             if n in places and isinstance(record, dict):
                 for name in fields:
                     value = record.get(name)

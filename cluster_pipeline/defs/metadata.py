@@ -6,7 +6,7 @@ What downstream stages read back lives in :mod:`cluster_pipeline.defs.records`.
 """
 
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +381,18 @@ def selection_log_lines(record: PeripheralSubsetsRecord) -> list[str]:
         f"{r.backward_passes} backward passes ({passes}), peak memory per rank "
         f"{_memory(r.selection_peak_rss_mib, r.selection_peak_cuda_mib)}",
     ]
+
+
+def log_selection(
+    log: Any, record: PeripheralSubsetsRecord, notes: Sequence[str], dataset: str
+) -> None:
+    """The selection's lines in the run's log: :func:`selection_log_lines` as info, then each
+    of the selector's notes (``SelectionResult.notes``: where it gives less than its knobs ask)
+    as a warning, prefixed with the dataset."""
+    for line in selection_log_lines(record):
+        log.info(line)
+    for note in notes:
+        log.warning(f"{dataset}: {note}")
 
 
 def _memory(rss_mib: float | None, cuda_mib: float | None) -> str:

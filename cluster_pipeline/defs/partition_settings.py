@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import dagster as dg
@@ -218,17 +218,20 @@ def remember(
     return updated, [c.describe() for c in changes]
 
 
-def give_back(layout: DataLayout, dataset: str, run_id: str) -> list[str]:
-    """Take back the knobs run ``run_id`` recorded at launch (its settings were refused in a
-    step: call it under the partition's lock, which the run holds), each to the value it
-    replaced or to no value; say which (``balanced_clusters.num_clusters: 100 -> (default)``).
+def give_back(
+    layout: DataLayout, dataset: str, run_id: str, only: Collection[str] | None = None
+) -> list[str]:
+    """Take back the knobs run ``run_id`` recorded at launch for the stages ``only`` (None:
+    every stage; its settings were refused in a step: call it under the partition's lock, which
+    the run holds), each to the value it replaced or to no value; say which
+    (``balanced_clusters.num_clusters: 100 -> (default)``).
 
     Raises:
         SettingsUnreadable: the file is damaged.
         OSError: the file cannot be written.
     """
     stored = stored_settings(layout, dataset)
-    restored, changes = stored.without_run(run_id)
+    restored, changes = stored.without_run(run_id, only)
     if changes:
         write_partition_settings(layout.partition_settings(dataset), restored)
     return [c.describe() for c in changes]

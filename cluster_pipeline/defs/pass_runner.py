@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from cluster_pipeline.data.datasets import samples_fingerprint
-from cluster_pipeline.data.folders import record_field_values
+from cluster_pipeline.data.folders import file_group, record_field_values
 from cluster_pipeline.data.stdlib_dataset import DATASET_NAME as STDLIB_DATASET
 from cluster_pipeline.defs.records import (
     BalancedClustersRecord,
@@ -426,10 +426,16 @@ class DagsterPassRunner:
             how="left",
             maintain_order="left",
         )
-        return record_sources(
-            joined["source_file"].fill_null("").to_list(),
+        files = joined["source_file"].fill_null("").to_list()
+        sources = record_sources(
+            files,
             joined["source_index"].to_list(),
+            (self.storage.layout.raw_dir / self.dataset, joined["sample_id"].to_list()),
         )
+        line = fallback_line(files, sources)
+        if line:
+            self.log(line)
+        return sources
 
     def target_tasks(self) -> np.ndarray:
         """(M,) str the task of each target sample (evaluation/targets.target_tasks).
@@ -870,26 +876,50 @@ def evaluator(
 SOURCE_FIELDS = ("source", "dataset")
 
 
-def record_sources(files: list[str], indices: list[int | None]) -> np.ndarray:
+def fallback_line(files: list[str], sources: np.ndarray) -> str | None:
+    """The line saying how many samples took their file as their source beside others that a
+    record field names (None when all or none did): a `source` field missing from some
+    records mixes file names into the sources."""
+    fell_back = sum(str(s) == file_group(f) for f, s in zip(files, sources, strict=True))
+    if 0 < fell_back < len(files):
+        return (
+            f"{fell_back} of the pool's {len(files)} samples have no `source` or `dataset` field "
+            "(or an empty one): their file is their source, beside the field's values"
+        )
+    return None
+
+
+def record_sources(
+    files: list[str],
+    indices: list[int | None],
+    identity: tuple[Path, list[str]] | None = None,
+) -> np.ndarray:
     """Each sample's source, as S2L's per-source split and ``balanced_random`` read it: its
     record's ``source`` field, else its ``dataset`` field (:data:`SOURCE_FIELDS`; a string or
     number, not empty), else the file it was read from
-    (:func:`~cluster_pipeline.data.folders.record_field_values`).
+    (:func:`~cluster_pipeline.data.folders.record_field_values`), the shards of one sharded
+    file being one source (:func:`~cluster_pipeline.data.folders.file_group`).
 
     Args:
         files: (N,) each sample's ``source_file`` ("" for none).
         indices: (N,) each sample's ``source_index`` (0-based place among the file's records;
             None for a table written before that column, whose samples keep their file).
+        identity: (the dataset folder, (N,) each sample's ``sample_id``): each record read must
+            still be that sample (:func:`~cluster_pipeline.data.folders.record_field_values`).
 
     Returns:
         (N,) str array of sources.
 
     Raises:
-        ValueError: a file is gone, or holds fewer records than an index names (it changed
-            since ``raw_instructions`` read it): naming the file and what to do.
+        ValueError: a file is gone, holds fewer records than an index names, or another sample
+            at an index (it changed since ``raw_instructions`` read it): naming the file and
+            what to do.
     """
-    values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources")
+    values = record_field_values(files, indices, SOURCE_FIELDS, "the pool's sources", identity)
     return np.array(
-        [file if value is None else value for file, value in zip(files, values, strict=True)],
+        [
+            file_group(file) if value is None else value
+            for file, value in zip(files, values, strict=True)
+        ],
         dtype=str,
     )

@@ -29,7 +29,12 @@ import polars as pl
 
 from cluster_pipeline.selection.clustering import StreamedClusters
 from cluster_pipeline.selection.passes import PASS_EMBEDDING, round_mib
-from cluster_pipeline.selection.selectors import SelectionResult, cluster_weights, record_details
+from cluster_pipeline.selection.selectors import (
+    REGISTRY,
+    SelectionResult,
+    cluster_weights,
+    record_details,
+)
 from cluster_pipeline.storage.layout import DATA_DIR_ENV, DataLayout, default_data_dir
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
@@ -687,6 +692,17 @@ def training_params(
     return {**settings.model_dump(), **selection}
 
 
+def selector_knobs(selector: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The values in a ``peripheral_subsets`` ``config`` of ``selector``'s own knobs (its
+    registered knobs class's fields, the target set's aside: the report names it apart);
+    {} for a selector without knobs."""
+    knobs = REGISTRY[selector].knobs if selector in REGISTRY else None
+    if knobs is None:
+        return {}
+    own = set(knobs.model_fields) - {"target"}
+    return {k: config[k] for k in sorted(own) if k in config}
+
+
 def training_provenance(
     run_id: str,
     dataset: str,
@@ -720,6 +736,9 @@ def training_provenance(
         "selection_peak_cuda_mib": subsets.selection_peak_cuda_mib,
         # A targeted selector's target set (rds, less), which the report names in the group.
         **({"selection_target": target} if target else {}),
+        # The selector's own knobs (ifd_end_of_turn, s2l_sources, ...): runs of one selector
+        # under other knobs are other setups, which the report keeps apart.
+        "selector_knobs": selector_knobs(subsets.selector, subsets.config),
         "training_seed": training_seed,
         **{f"{asset}_version": ref.version for asset, ref in shards.lineage().items()},
     }

@@ -554,6 +554,32 @@ def recheck_settings(
         raise dg.Failure(description="; ".join(problems) + notes)
 
 
+def refused_in_step(
+    context: dg.AssetExecutionContext, layout: DataLayout, problem: str
+) -> dg.Failure:
+    """The failure of a step that refuses this run's settings with what it knows by now (a
+    selector's rules, a pool one rank would find empty, a cluster count against the pool): as
+    :func:`recheck_settings`, the knobs this run recorded at launch are taken back from the
+    partition's settings file, so the sensor, the schedule and a config-less run do not repeat
+    the refused run, and the message says which (docs/guide/settings.md).
+
+    Args:
+        context: the step's context (its partition and run).
+        layout: the data folder's layout (the settings file).
+        problem: the refusal, one line.
+
+    Returns:
+        The ``dagster.Failure`` to raise.
+    """
+    stored = None
+    if context.has_partition_key:
+        try:
+            stored = stored_settings(layout, context.partition_key)
+        except SettingsUnreadable as e:
+            return dg.Failure(description=f"{problem} ({e})")
+    return dg.Failure(description=problem + _refused_settings(context, layout, [problem], stored))
+
+
 def _refused_settings(
     context: dg.AssetExecutionContext,
     layout: DataLayout,
@@ -561,8 +587,9 @@ def _refused_settings(
     stored: PartitionSettings | None,
 ) -> str:
     """What a refusal inside a step does to the partition's settings, said: the knobs this
-    run recorded at launch are given back (a refused value must not be what the sensor, the
-    schedule or a re-execution runs with next), and the refused knobs the run took from the
+    run recorded at launch for this step and the steps after it are given back (a refused value
+    must not be what the sensor, the schedule or a re-execution runs with next; the steps that
+    completed keep theirs, which made their tables), and the refused knobs the run took from the
     settings file are named with it."""
     if stored is None:
         return ""
@@ -577,7 +604,9 @@ def _refused_settings(
             "delete the file"
         )
     try:
-        given_back = give_back(layout, dataset, context.run_id)
+        stages, step = run_stages(context), context.op_def.name
+        rest = stages[stages.index(step) :] if step in stages else None
+        given_back = give_back(layout, dataset, context.run_id, rest)
     except (SettingsUnreadable, OSError) as e:
         notes.append(f"this run's settings could not be taken back from the settings file: {e}")
     else:

@@ -80,14 +80,18 @@ SETUP_PROVENANCE = ("alpha", "representation", "balance")
 def setup_values(ckpt: Checkpoint) -> dict[str, Any]:
     """The settings that define a checkpoint's setup, where they apply to its selector: every
     training setting but :data:`RUN_ONLY_SETTINGS` (``reweight`` only for the re-weighted
-    selectors, whose weights it switches), and :data:`SETUP_PROVENANCE` for every selector but
-    ``full``. A key recorded by none of its runs reads None."""
+    selectors, whose weights it switches), :data:`SETUP_PROVENANCE` for every selector but
+    ``full``, and the selector's own knobs (provenance ``selector_knobs``). A key recorded by
+    none of its runs reads None."""
     selector = ckpt.provenance.get("selector")
     values = {k: v for k, v in ckpt.settings.items() if k not in RUN_ONLY_SETTINGS}
     if selector is not None and selector not in REWEIGHTED_SELECTORS:
         values.pop("reweight", None)
     if selector != "full":
         values |= {k: ckpt.provenance.get(k) for k in SETUP_PROVENANCE}
+    # The selector's own knobs (recorded since issue 41's trial: two ifd runs under other knobs
+    # were one group, shown as seeds): present only for the selectors that have them.
+    values |= dict(ckpt.provenance.get("selector_knobs") or {})
     return values
 
 

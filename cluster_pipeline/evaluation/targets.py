@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from cluster_pipeline.data.datasets import build_instruction_table
-from cluster_pipeline.data.folders import record_field_values
+from cluster_pipeline.data.folders import file_group, record_field_values
 from cluster_pipeline.data.formats import Sample, read_dataset_folder
 
 # evaluation.suites imports torch; it is imported where it is used, so that the run checks (and
@@ -112,7 +112,7 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
     string or number, not empty: issue 41's "a `task` field"), else its file (one file per
     task, as RDS+ takes one file per evaluation set,
     ``minimal_multitask/get_top_aggregated_influences.py``); "" for every sample of a code
-    benchmark (no tasks).
+    benchmark and of a one-file folder without a ``task`` field (no tasks).
 
     Raises:
         ValueError: a folder's file is gone or changed since :func:`target_samples` read it.
@@ -129,8 +129,17 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
     indices: list[int | None] = (
         frame["source_index"].to_list() if "source_index" in frame.columns else [None] * len(files)
     )
-    tasks = record_field_values(files, indices, TASK_FIELDS, f"target {target!r}'s tasks")
-    return [file if task is None else task for file, task in zip(files, tasks, strict=True)]
+    tasks = record_field_values(
+        files,
+        indices,
+        TASK_FIELDS,
+        f"target {target!r}'s tasks",
+        (Path(target), frame["sample_id"].to_list()),
+    )
+    groups = [file_group(file) for file in files]  # a sharded file's shards: one task
+    if all(task is None for task in tasks) and len(set(groups)) == 1:
+        return [""] * len(files)  # one file and no task field: no tasks, as a code benchmark
+    return [group if task is None else task for group, task in zip(groups, tasks, strict=True)]
 
 
 def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFrame:
@@ -138,7 +147,8 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
     distinct samples, columns of ``raw_instructions`` (split ``train``).
 
     Raises:
-        ValueError: :func:`target_problem`'s reasons, or the set holds no sample.
+        ValueError: :func:`target_problem`'s reasons, the set holds no sample, or every
+            sample's response is empty (nothing to pool or take a gradient over).
         DatasetFormatError: a folder's file or record cannot be read (names file and line).
     """
     from cluster_pipeline.evaluation.suites import SUITES, find_eval_file
@@ -166,5 +176,11 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
                 break
     if not samples:
         raise ValueError(f"target {target!r} holds no sample")
+    if not any(s.response.strip() for s in samples):
+        raise ValueError(
+            f"target {target!r}: every one of its {len(samples)} samples has an empty response; "
+            "rds pools and less and cluster_less take gradients over the answer's tokens: give "
+            "samples with answers"
+        )
     frame, _ = build_instruction_table(samples, 0.0, None, None, seed=0)
     return frame

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,15 +112,18 @@ class PartitionSettings:
                 origins.setdefault(stage, {})[knob] = origin
         return PartitionSettings(self.dataset, stages, origins), changes
 
-    def without_run(self, run_id: str) -> tuple[PartitionSettings, list[Change]]:
+    def without_run(
+        self, run_id: str, only: Collection[str] | None = None
+    ) -> tuple[PartitionSettings, list[Change]]:
         """These settings with every knob that run ``run_id`` set given back: the value it
         replaced (with that value's origin), or no value where no launch had given one; and
         those knobs, as changes from the run's value back. For a run whose settings a step
-        refused: what it recorded at launch must not outlive it."""
+        refused: what it recorded at launch must not outlive it. ``only``: the stages whose
+        knobs are given back (None: all; the stages that completed keep theirs)."""
         stages = {s: dict(k) for s, k in self.stages.items()}
         origins = {s: {k: dict(o) for k, o in v.items()} for s, v in self.origins.items()}
         changes = []
-        for stage in sorted(origins):
+        for stage in sorted(s for s in origins if only is None or s in only):
             for knob in sorted(origins[stage]):
                 origin = origins[stage][knob]
                 if origin.get("run_id") != run_id or knob not in stages.get(stage, {}):

@@ -372,6 +372,44 @@ def test_checkpoints_of_other_training_setups_are_groups_of_their_own():
     assert [e.group for e in same] == ["base", "peripheral r=0.5", "peripheral r=0.5"]
 
 
+def test_runs_of_one_selector_under_other_knobs_are_groups_of_their_own():
+    """A selector's own knobs are part of its setup (a helper's trial of issue 41: ifd and ifd
+    with ifd_end_of_turn were one group "ifd r=0.9, runs 2", shown as seeds): the provenance
+    records them (``selector_knobs``: the selector's knobs class's fields, target aside) and
+    the groups are named by the one that varies."""
+    from cluster_pipeline.defs.configs import PeripheralSubsetsConfig
+    from cluster_pipeline.defs.records import selector_knobs
+    from cluster_pipeline.evaluation.report import model_entries
+    from cluster_pipeline.training.checkpointing import Checkpoint
+
+    config = PeripheralSubsetsConfig(selector="ifd", ifd_end_of_turn=True).model_dump(mode="json")
+    assert selector_knobs("ifd", config) == {"ifd_end_of_turn": True, "ifd_truncated": False}
+    assert selector_knobs("peripheral", config) == {}
+    assert selector_knobs("balanced_random", config) == {}
+
+    def ckpt(name, seed, **knobs):
+        prov = {
+            "selector": "ifd",
+            "ratio": 0.9,
+            "selection_seed": seed,
+            "selector_knobs": {"ifd_end_of_turn": False, "ifd_truncated": False, **knobs},
+        }
+        return Checkpoint(Path(name), {"config": {"settings": {"seed": seed}, "provenance": prov}})
+
+    entries = model_entries(
+        "base_model", [ckpt("a", 0), ckpt("b", 1), ckpt("c", 0, ifd_end_of_turn=True)]
+    )
+    assert [e.group for e in entries] == [
+        "base",
+        "ifd r=0.9 (ifd_end_of_turn=False)",
+        "ifd r=0.9 (ifd_end_of_turn=False)",
+        "ifd r=0.9 (ifd_end_of_turn=True)",
+    ]
+    # Seeds of one setting stay one group, named as before.
+    same = model_entries("base_model", [ckpt("a", 0), ckpt("b", 1)])
+    assert [e.group for e in same] == ["base", "ifd r=0.9", "ifd r=0.9"]
+
+
 def test_a_targeted_selector_is_named_with_its_target_set():
     from cluster_pipeline.evaluation.report import model_entries
     from cluster_pipeline.training.checkpointing import Checkpoint

@@ -3,6 +3,8 @@ their prompts) run through the assets on a tiny random model and the 60-sample d
 pass is cached per sample, the subset is dealt into random balanced shards with weight 1, and
 the cost record counts every forward pass."""
 
+import logging
+import math
 from collections import Counter
 
 import dagster as dg
@@ -163,6 +165,28 @@ def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(
             len(cut)
         )
         assert (read(instance, "shard_manifests")["weight"] == 1.0).all()
+        # A budget the samples with IFD <= 1 cannot fill is the step's warning, with counts
+        # (the default balance is by tokens: K floor(r x the smallest cluster's tokens)).
+        assert m["balance"] == "tokens"
+        tokens = np.bincount(
+            subsets["cluster"].to_numpy(), weights=subsets["n_tokens"].to_numpy()
+        ).astype(np.int64)
+        budget = len(tokens) * math.floor(round(m["ratio"] * tokens.min(), 9))
+        eligible = subsets.filter(pl.col("score") <= 1).height
+        held = int(subsets.filter(pl.col("score") <= 1)["n_tokens"].sum())
+        warnings = [
+            e.user_message
+            for e in instance.all_logs(result.run_id)
+            if e.step_key == "peripheral_subsets" and e.level == logging.WARNING
+        ]
+        expected = [
+            f"tiny: ifd: only {eligible} of the {n} samples have IFD <= 1, the only ones Cherry "
+            f"keeps (data_by_IFD.py:106), holding {held} tokens, fewer than the budget of "
+            f"{budget} tokens that ratio {m['ratio']} gives; all {eligible} are kept, a data "
+            f"fraction of {eligible / n:.3f}"
+        ]
+        assert warnings == (expected if held < budget else [])
+        assert held >= budget or m["selected_samples"] == eligible
 
         # IFD of the first-ranked sample by hand: both losses from the model directly, over
         # the answer's tokens without the template's end-of-turn marker.

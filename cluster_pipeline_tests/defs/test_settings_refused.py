@@ -12,7 +12,6 @@ import yaml
 
 from cluster_pipeline.defs.partition_settings import stored_settings
 from cluster_pipeline.storage.layout import DataLayout
-from cluster_pipeline.storage.partition_settings import PartitionSettings
 from cluster_pipeline_tests.runs import Project
 
 pytestmark = pytest.mark.slow
@@ -89,14 +88,39 @@ def test_bad_settings_are_refused_before_any_step(tmp_path, tiny_model_dir):
         line = next(line for line in out.stdout.splitlines() if "more clusters than" in line)
         given_back = line.split("this run's settings are not kept for dataset partition 'fresh': ")
         assert len(given_back) == 2, line
-        # Every knob the launch gave (the stage configs of its run config) was new: unset again.
+        # Every knob the launch gave for the refusing step and the steps after it was new:
+        # unset again; raw_instructions completed, and keeps the knobs its table was made with.
         launched = yaml.safe_load(project.root.joinpath("fresh.yaml").read_text())["ops"]
         assert given_back[1].removesuffix(")").split(", ") == [
             f"{stage}.{knob}: {json.dumps(value)} -> (default)"
             for stage in sorted(launched)
+            if stage != "raw_instructions"
             for knob, value in sorted(launched[stage]["config"].items())
         ]
-        assert stored_settings(DataLayout.at(project.data), "fresh") == PartitionSettings("fresh")
+        kept = stored_settings(DataLayout.at(project.data), "fresh")
+        assert kept.stages == {"raw_instructions": launched["raw_instructions"]["config"]}
+
+        # Refused inside the selection step (a rule that needs the clustered pool: longest at
+        # ratio 0.01 keeps no sample in a cluster): the same, its launch's knobs taken back (a
+        # new user's trial of issue 41 found them kept).
+        out = project.materialize(
+            SELECT,
+            project.config(
+                "tiny_ratio", STAGES, peripheral_subsets={"selector": "longest", "ratio": 0.01}
+            ),
+            partition="fresh",
+        )
+        assert out.returncode == 1
+        line = next(line for line in out.stdout.splitlines() if "longest can keep at most" in line)
+        given_back = line.split("this run's settings are not kept for dataset partition 'fresh': ")
+        assert given_back[1].removesuffix(")").split(", ") == [
+            "peripheral_subsets.ratio: 0.01 -> (default)",
+            'peripheral_subsets.selector: "longest" -> (default)',
+        ]
+        kept = stored_settings(DataLayout.at(project.data), "fresh")
+        assert kept.knobs("peripheral_subsets") == {}
+        launched = yaml.safe_load(project.root.joinpath("tiny_ratio.yaml").read_text())["ops"]
+        assert kept.knobs("balanced_clusters") == launched["balanced_clusters"]["config"]
 
         # A choice Dagster's schema knows (a Literal) is refused by Dagster itself at launch,
         # before any run exists; its CLI prints its own error (with a traceback).

@@ -92,3 +92,32 @@ def test_the_task_of_each_target_sample(tmp_path):
     # A target table written before source_index: its files are its tasks.
     old = frame.drop("source_index")
     assert target_tasks(old, str(folder)) == [a, a, b, b, b, b]
+    # One file and no `task` field: no tasks ("", as a code benchmark; LESS then takes the max
+    # over single targets); one file whose records all name one task: that task (LESS's mean).
+    write_jsonl(tmp_path / "one" / "c.jsonl", records[:3])
+    assert target_tasks(target_samples(str(tmp_path / "one"), 10, []), "one") == ["", "", ""]
+    write_jsonl(tmp_path / "same" / "c.jsonl", [{**r, "task": "same"} for r in records[:3]])
+    same = target_samples(str(tmp_path / "same"), 10, [])
+    assert target_tasks(same, str(tmp_path / "same")) == ["same", "same", "same"]
+
+
+def test_a_target_folder_whose_answers_are_all_empty_is_refused_at_launch(tmp_path):
+    """Nothing to pool or take a gradient over: refused when the target set is read, which the
+    launch check does (a helper's trial: it was refused only after less's warm-up and passes,
+    blamed on max_length); one answer is enough."""
+    from cluster_pipeline.defs.run_checks import _target_problem
+
+    folder = tmp_path / "blank"
+    write_jsonl(folder / "t.jsonl", [{**r, "output": ""} for r in tiny_records(3)])
+    want = (
+        f"target {str(folder)!r}: every one of its 3 samples has an empty response; rds pools "
+        "and less and cluster_less take gradients over the answer's tokens: give samples with "
+        "answers"
+    )
+    with pytest.raises(ValueError) as e:
+        target_samples(str(folder), 10, [])
+    assert str(e.value) == want
+    assert _target_problem(str(folder), 10, "less", ()) == want
+    write_jsonl(folder / "u.jsonl", tiny_records(1))
+    assert target_samples(str(folder), 10, []).height == 4
+    assert _target_problem(str(folder), 10, "less", ()) is None

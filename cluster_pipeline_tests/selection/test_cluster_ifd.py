@@ -55,6 +55,16 @@ def test_each_cluster_keeps_its_highest_ifd_under_sample_balance():
     assert np.flatnonzero(result.selected).tolist() == [0, 1, 3, 4]
     assert result.selection_rank.tolist() == [1, 0, 2, 0, 1, 2, 3]
     assert result.per_cluster == 2 and result.n_selected == 4
+    # That fill (sample 4, IFD 1.2, in cluster 1) is the step's warning.
+    assert result.notes == (
+        "cluster_ifd: 1 of the 4 kept samples have IFD > 1 or none (per cluster [0, 1] of "
+        "[2, 2]): those clusters have fewer samples with IFD <= 1 than their budget and are "
+        "filled from the rest of their order, to keep the ranks equal; arXiv 2504.12687 "
+        "discards IFD > 1",
+    )
+    # At floor(1/3 x 3) = 1 per cluster every kept sample has IFD <= 1 (1 and 3): no warning.
+    one = run_selector("cluster_ifd", inputs, SelectionParams(r=1 / 3))
+    assert np.flatnonzero(one.selected).tolist() == [1, 3] and one.notes == ()
     # w_c = n_c K / N = 3 x 2 / 7 and 4 x 2 / 7.
     np.testing.assert_allclose(result.cluster_weights, [6 / 7, 8 / 7])
     np.testing.assert_allclose(result.weight, [6 / 7] * 3 + [8 / 7] * 4)

@@ -256,6 +256,11 @@ def test_rules_name_the_knobs_of_other_selectors_and_the_selectors_own():
         "s2l_steps": "applies to selector s2l only (the selector is 'rds')",
         "less_lora_r": "applies to the selectors less, cluster_less only (the selector is 'rds')",
     }
+    # cluster_less scores each cluster by the mean over every target (DataFlex); less's
+    # subtask aggregation is not its knob (it was accepted and had no effect: a helper's trial).
+    assert misplaced_knobs("cluster_less", ["less_subtasks", "less_adam"]) == {
+        "less_subtasks": "applies to selector less only (the selector is 'cluster_less')"
+    }
     assert misplaced_knobs("s2l", ["target_size"]) == {
         "target_size": "applies to the targeted selectors (rds, less, cluster_less) only (the "
         "selector is 's2l')"

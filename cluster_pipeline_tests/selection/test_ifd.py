@@ -146,3 +146,33 @@ def test_without_a_template_it_is_bos_and_the_plain_response(tiny_tokenizer):
     assert alone.input_ids[0] == plain.bos_token_id
     assert plain.decode(alone.input_ids[1:]) == "The sum is 5.<|endoftext|>"
     assert alone.n_response_tokens == sample.n_response_tokens
+
+
+def test_a_budget_the_eligible_samples_cannot_fill_is_a_warning_with_the_counts():
+    """Samples 0, 1, 3, 4 have IFD <= 1 (4 of 6): a budget they cannot fill keeps all 4 and
+    says so (the asset logs each note as a warning); one they fill says nothing."""
+    full = run_selector("ifd", _inputs(), SelectionParams(r=1.0))  # K floor(1.0 x 6) = 6
+    assert full.notes == (
+        "ifd: only 4 of the 6 samples have IFD <= 1, the only ones Cherry keeps "
+        "(data_by_IFD.py:106), holding 4 samples, fewer than the budget of 6 samples that "
+        "ratio 1.0 gives; all 4 are kept, a data fraction of 0.667",
+    )
+    assert run_selector("ifd", _inputs(), SelectionParams(r=0.5)).notes == ()  # budget 3
+    # Token balance, lengths 10..60 (210 tokens, K = 1): the eligible hold 10+20+40+50 = 120.
+    tokens = SelectionInputs(
+        np.zeros(6, dtype=np.int64),
+        1,
+        lengths=np.array([10, 20, 30, 40, 50, 60]),
+        response_tokens=np.array([5, 10, 15, 20, 25, 30]),
+        mean_loss=CONDITIONED,
+        unconditioned_loss=ALONE,
+    )
+    short = run_selector("ifd", tokens, SelectionParams(r=1.0, balance="tokens"))
+    assert short.notes == (
+        "ifd: only 4 of the 6 samples have IFD <= 1, the only ones Cherry keeps "
+        "(data_by_IFD.py:106), holding 120 tokens, fewer than the budget of 210 tokens that "
+        "ratio 1.0 gives; all 4 are kept, a data fraction of 0.667",
+    )
+    assert np.flatnonzero(short.selected).tolist() == [0, 1, 3, 4]
+    filled = run_selector("ifd", tokens, SelectionParams(r=0.5, balance="tokens"))  # 105
+    assert filled.notes == () and np.flatnonzero(filled.selected).tolist() == [0, 1, 3]

@@ -4,6 +4,7 @@ padded batch against one plain backward per sample, the projected cosine against
 on a tiny model, and the errors."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,7 +27,11 @@ from cluster_pipeline.selection.selectors import (
     needs_targets,
     run_selector,
 )
-from cluster_pipeline.selection.selectors.less import checkpoint_weights, influence_scores
+from cluster_pipeline.selection.selectors.less import (
+    checkpoint_weights,
+    influence_scores,
+    subtasks_line,
+)
 from cluster_pipeline.training.config import TrainSettings
 from cluster_pipeline.training.parallel import apply_lora
 
@@ -114,6 +119,32 @@ def test_the_influence_is_the_subtask_mean_then_the_max_as_the_authors_matching(
     assert single.score is not None
     np.testing.assert_allclose(single.score, influence_scores(pool, targets, [3.0, 1.0]))
     assert not np.allclose(single.score, want)
+    # One named task (every record's `task` the same): one subtask, the mean over every target,
+    # as matching.py's reshape(N, 1, -1).mean(-1).max(-1); no task named (""): the max.
+    one = influence_score.reshape(n, 1, -1).mean(-1).max(-1)[0].numpy()
+    same = replace(inputs, target_tasks=np.array(["same"] * len(targets)))
+    got_one = run_selector("less", same, SelectionParams(r=1 / 3)).score
+    assert got_one is not None
+    np.testing.assert_allclose(got_one, one, rtol=1e-6)
+    unnamed = replace(inputs, target_tasks=np.array([""] * len(targets)))
+    got_max = run_selector("less", unnamed, SelectionParams(r=1 / 3)).score
+    assert got_max is not None
+    np.testing.assert_allclose(got_max, influence_scores(pool, targets, [3.0, 1.0]))
+    # The run's line says which.
+    assert subtasks_line(names, "mean_max") == (
+        "less: the mean over each of the target set's 3 task(s), then the max over them (6 "
+        "samples; less_subtasks: mean_max, matching.py)"
+    )
+    assert subtasks_line(np.array(["same"] * 6), "mean_max").startswith(
+        "less: the mean over each of the target set's 1 task(s)"
+    )
+    assert subtasks_line(np.array([""] * 6), "mean_max") == (
+        "less: the target set names no task: the max over its 6 samples"
+    )
+    assert (
+        subtasks_line(names, "max")
+        == "less: the max over the 6 target samples (less_subtasks: max)"
+    )
 
 
 def test_adam_state_from_an_optimizer_state_dict():

@@ -2,6 +2,8 @@
 sizes, k-means on trajectories that separate two obvious groups, the token-balanced variant and
 the errors."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from cluster_pipeline.selection.selectors import (
     SelectionParams,
     run_selector,
 )
+from cluster_pipeline.selection.selectors.base import global_budget
 from cluster_pipeline.selection.selectors.s2l import (
     S2LKnobs,
     balanced_sampling,
@@ -237,23 +240,35 @@ def test_a_source_with_no_more_samples_than_clusters_is_named_and_drawn_at_rando
     ``gather`` logs one line per such source (issue 41's S2L departure, measured on the
     ``mixed`` pool where every source had fewer samples than the default 100 clusters)."""
     sources = np.array(["b"] * 3 + ["a"] * 5 + ["c"] * 2)
-    lines = unclustered_sources(sources, len(sources), 3)
     tail = (
-        "each is a trajectory cluster of its own, so its share is drawn uniformly at random "
-        "(the authors' faiss k-means stops on fewer samples than clusters); for trajectory "
-        "clusters there, set peripheral_subsets.s2l_clusters below "
+        "each of their samples is a trajectory cluster of its own, so their shares are drawn "
+        "uniformly at random (the authors' faiss k-means stops on fewer samples than clusters)"
     )
-    assert lines == [
-        "s2l: source 'b' has 3 samples, no more than s2l_clusters (3): " + tail + "3",
-        "s2l: source 'c' has 2 samples, no more than s2l_clusters (3): " + tail + "2",
+    assert unclustered_sources(sources, len(sources), 3) == [
+        "s2l: 2 of the 3 sources have no more samples than s2l_clusters (3): 'b' (3), 'c' (2); "
+        + tail
+        + "; peripheral_subsets.s2l_clusters below 3 gives trajectory clusters in the largest "
+        "of them"
+    ]
+    assert unclustered_sources(sources, len(sources), 2) == [
+        "s2l: 1 of the 3 sources has no more samples than s2l_clusters (2): 'c' (2); "
+        + tail
+        + "; peripheral_subsets.s2l_clusters below 2 gives trajectory clusters in the largest "
+        "of them"
+    ]
+    # One line however many sources; no advice where every such source has one sample.
+    files = np.array([f"f{i}.json" for i in range(8)])
+    assert unclustered_sources(files, 8, 2) == [
+        "s2l: 8 of the 8 sources have no more samples than s2l_clusters (2): 'f0.json' (1), "
+        "'f1.json' (1), 'f2.json' (1), 'f3.json' (1), 'f4.json' (1) and 3 more; " + tail
     ]
     assert unclustered_sources(None, 3, 3) == [
-        "s2l: the pool has 3 samples, no more than s2l_clusters (3): " + tail + "3"
+        "s2l: the pool has 3 samples, no more than s2l_clusters (3): each is a trajectory "
+        "cluster of its own, so the draw is uniformly random (the authors' faiss k-means stops "
+        "on fewer samples than clusters); peripheral_subsets.s2l_clusters below 3 gives "
+        "trajectory clusters"
     ]
     assert unclustered_sources(None, 4, 3) == []
-    assert unclustered_sources(sources, len(sources), 2) == [
-        "s2l: source 'c' has 2 samples, no more than s2l_clusters (2): " + tail + "2"
-    ]
     # What the line says: at a budget of 3 (one per source, none kept whole) source b (3
     # samples, 3 clusters) gets one trajectory cluster per sample; source a (5 samples) gets 3
     # clusters for 5 samples.
@@ -263,3 +278,63 @@ def test_a_source_with_no_more_samples_than_clusters_is_named_and_drawn_at_rando
     assert selected.sum() == 3 and (groups >= 0).all()
     assert len(set(groups[sources == "b"].tolist())) == 3
     assert len(set(groups[sources == "a"].tolist())) == 3
+
+
+def test_sources_that_outnumber_the_budget_never_take_more_than_it():
+    """A source whose share is 0 (``num // sources_left``) takes nothing, as the authors'
+    ``np.random.choice(indices, 0)`` (schedules/s2l.py:62-70, 132-139); it used to keep one
+    sample per such source (40 one-sample sources at budget 20 kept all 40)."""
+    # 40 one-sample sources s00..s39, K = 2 clusters of 20, r = 0.5: budget 2 x floor(10) = 20.
+    # Shares 20 // 40 .. 20 // 21 are 0 (s00..s19 take nothing); s20..s39 take 1 each.
+    names = np.array([f"s{i:02d}" for i in range(40)])
+    inputs = SelectionInputs(
+        np.repeat([0, 1], 20),
+        2,
+        loss_trajectories=np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32),
+        sources=names,
+    )
+    result = run_selector("s2l", inputs, SelectionParams(r=0.5, knobs=S2LKnobs(s2l_clusters=3)))
+    assert names[result.selected].tolist() == [f"s{i}" for i in range(20, 40)]
+    # 20 sources of 3 samples, r = 0.25 of clusters of 30: budget 2 x floor(7.5) = 14; shares
+    # 14 // 20 .. 14 // 15 are 0 (sources 0-5), then 1 each for sources 6-19.
+    names = np.repeat([f"t{i:02d}" for i in range(20)], 3)
+    inputs = replace(
+        inputs,
+        labels=np.repeat([0, 1], 30),
+        loss_trajectories=np.random.default_rng(1).normal(size=(60, 3)).astype(np.float32),
+        sources=names,
+    )
+    result = run_selector("s2l", inputs, SelectionParams(r=0.25, knobs=S2LKnobs(s2l_clusters=3)))
+    kept = names[result.selected].tolist()
+    assert result.n_selected == 14 and kept == [f"t{i:02d}" for i in range(6, 20)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_subset_stays_within_the_budget_whatever_the_sources(seed):
+    """Random pools of 1-30 sources of 1-9 samples, r in (0, 1), both balances: the subset never
+    exceeds the budget (one sample in all when the token budget holds none)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 10, size=rng.integers(1, 31))
+    n = int(sizes.sum())
+    sources = np.repeat([f"src{i}" for i in range(len(sizes))], sizes)
+    lengths = rng.integers(5, 50, size=n)
+    inputs = SelectionInputs(
+        np.arange(n) % 2 if n >= 2 else np.zeros(n, dtype=np.int64),
+        2 if n >= 2 else 1,
+        lengths=lengths,
+        response_tokens=lengths // 2,
+        loss_trajectories=rng.normal(size=(n, 4)).astype(np.float32),
+        sources=sources,
+    )
+    for r in (0.1, 0.3, 0.7):
+        for balance in ("samples", "tokens"):
+            params = SelectionParams(r=r, balance=balance, knobs=S2LKnobs(s2l_clusters=4))
+            budget = global_budget(inputs, params)
+            if budget == 0 and balance == "samples":
+                continue
+            result = run_selector("s2l", inputs, params)
+            if balance == "samples":
+                assert result.n_selected == min(budget, n), (r, sizes.tolist())
+            else:
+                spent = int(lengths[result.selected].sum())
+                assert spent <= budget or result.n_selected == 1, (r, spent, budget)

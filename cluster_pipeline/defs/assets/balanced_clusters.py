@@ -8,6 +8,7 @@ from cluster_pipeline.defs.configs import BalancedClustersConfig
 from cluster_pipeline.defs.metadata import error_checks, table_display
 from cluster_pipeline.defs.records import ProxyEmbeddingsRecord, clusters_record, read_record
 from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.run_checks import refused_in_step
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation import plots
 from cluster_pipeline.selection.clustering import check_capacity, cluster_frames, cluster_table
@@ -53,7 +54,7 @@ def balanced_clusters(
             restarts=config.restarts,
         )
     except ValueError as e:
-        raise dg.Failure(description=f"{dataset}: {e}") from e
+        raise refused_in_step(context, layout, f"{dataset}: {e}") from e
     result = streamed.result
     frame, centroids = cluster_frames(streamed)
     table = write_table(

@@ -6,7 +6,7 @@ import dagster as dg
 
 from cluster_pipeline.defs.configs import PeripheralSubsetsConfig
 from cluster_pipeline.defs.metadata import (
-    selection_log_lines,
+    log_selection,
     selection_map,
     start_selection_run,
     subset_display,
@@ -20,6 +20,7 @@ from cluster_pipeline.defs.records import (
     selection_record,
 )
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource, TrackingResource
+from cluster_pipeline.defs.run_checks import refused_in_step
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.evaluation.statistics import subset_and_pool_diversity
 from cluster_pipeline.selection.passes import PassFailed, SelectionFacts
@@ -54,9 +55,9 @@ def peripheral_subsets(
     (n_c K / N under sample balance, K R_c / R by response tokens under token balance; 1 for
     selectors without re-weighting) and ``score``, what the selector ranks by (null for the
     random orders). The metadata holds the selector's cost: its seconds and the forward/backward
-    passes it needed. docs/design.md, steps 3 and 5. Tracked as an MLflow run, a child of the
-    Dagster run's pipeline run: knobs and earlier stages' configs as params, cost and subset
-    figures as metrics, the pool as dataset input, the PCA map and the run config as artifacts.
+    passes it needed; the selector's notes are warnings. docs/design.md, steps 3 and 5. Tracked
+    as an MLflow run (a child of the pipeline run): knobs and configs as params, cost and subset
+    figures as metrics, the pool as dataset input, the PCA map and run config as artifacts.
     """
     dataset, selector, start = context.partition_key, config.selector, time.perf_counter()
     clusters = read_record(context, BalancedClustersRecord)
@@ -70,7 +71,7 @@ def peripheral_subsets(
     # Before any pass: the selector's own rules, and whether it can fill every rank at all.
     problems = problems_before_passes(selector, knobs, facts, pool, config.ratio, config.balance)
     if problems:
-        raise dg.Failure(description=f"{dataset}: {'; '.join(problems)}")
+        raise refused_in_step(context, storage.layout, f"{dataset}: {'; '.join(problems)}")
     tracker = tracking.tracker(storage.layout, context.log.warning)
     run_id, pipeline_run = start_selection_run(tracker, context, config, clusters)
     with tracker.ending(run_id, pipeline_run):
@@ -79,11 +80,11 @@ def peripheral_subsets(
             inputs, gathered = gather_inputs(selector, knobs, pool, runner)
             result = run_selector(selector, inputs, params)
         except (PassFailed, ValueError) as e:
-            raise dg.Failure(description=f"{dataset}: {e}") from e
+            raise refused_in_step(context, storage.layout, f"{dataset}: {e}") from e
         # The one place a subset is written: never one that leaves a rank with nothing.
         empty = empty_ranks(result, pool.labels, pool.k, config.ratio, pool.n)
         if empty is not None:
-            raise dg.Failure(description=f"{dataset}: {empty}")
+            raise refused_in_step(context, storage.layout, f"{dataset}: {empty}")
         frame = with_selection(frame, result)
         table = write_table(
             frame,
@@ -103,8 +104,7 @@ def peripheral_subsets(
             gathered.details, runner.tables, runner.wall_seconds, table, seconds, summary, diversity
         )
         record = selection_record(config, result, clusters, outcome)
-        for line in selection_log_lines(record):
-            context.log.info(line)
+        log_selection(context.log, record, result.notes, dataset)
         title = f"{selector} r={config.ratio}: selected samples ringed"
         map_png = selection_map(frame, embeddings, clusters.representation, result.selected, title)
         track_selection(tracker, run_id, record, map_png, dataset)

@@ -72,7 +72,8 @@ def raw_instructions(
     context.log.info(
         f"{dataset}: {stats.records} records, {stats.duplicates} duplicates, "
         f"{stats.train} train (of {stats.train_available}), {stats.heldout} held out; not "
-        f"kept: turns {stats.dropped_turns or 'none'}, fields {stats.dropped_fields or 'none'}"
+        f"kept: turns {stats.dropped_turns or 'none'}; fields not in the table (s2l and "
+        f"balanced_random read `source`/`dataset` from the files): {stats.dropped_fields or 'none'}"
     )
     record = RawInstructionsRecord(
         table=table,

@@ -8,6 +8,7 @@ from cluster_pipeline.defs.configs import ShardManifestsConfig
 from cluster_pipeline.defs.metadata import error_checks, table_display
 from cluster_pipeline.defs.records import PeripheralSubsetsRecord, ShardManifestsRecord, read_record
 from cluster_pipeline.defs.resources import StorageResource
+from cluster_pipeline.defs.run_checks import refused_in_step
 from cluster_pipeline.defs.stages import stage_asset
 from cluster_pipeline.selection.selectors import selection_from_table
 from cluster_pipeline.selection.sharding import (
@@ -55,7 +56,7 @@ def shard_manifests(
             dataset, sample_ids, labels, selection, k, config.seed, lengths=lengths
         )
     except ValueError as e:
-        raise dg.Failure(description=f"{dataset}: {e}") from e
+        raise refused_in_step(context, layout, f"{dataset}: {e}") from e
     set_hash = manifest_set_hash(allocation.manifests)
     folder = layout.shards_dir(dataset, set_hash)
     paths = [str(m.write(folder)) for m in allocation.manifests]

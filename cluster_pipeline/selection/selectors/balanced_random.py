@@ -83,8 +83,19 @@ def balanced_random(inputs: SelectionInputs, params: SelectionParams) -> Selecti
 def gather(knobs: BaseModel, pool: Pool, runner: PassRunner) -> Gathered:
     """Each pool sample's source (the runner reads it from ``raw_instructions``)."""
     sources = runner.pool_sources()
-    runner.log(f"balanced_random: {len(set(sources.tolist()))} source(s) in the pool")
+    runner.log(sources_line(sources))
     return Gathered(inputs={"sources": sources})
+
+
+def sources_line(sources: np.ndarray) -> str:
+    """The run's line on the pool's sources; with one source, what that makes of the draw."""
+    count = len(set(np.asarray(sources).astype(str).tolist()))
+    if count > 1:
+        return f"balanced_random: {count} sources in the pool"
+    return (
+        "balanced_random: 1 source in the pool, so the draw is random_global's; a `source` or "
+        "`dataset` field in the records, or one file per source, stratifies it"
+    )
 
 
 SELECTORS = (

@@ -209,6 +209,9 @@ class SelectionResult:
             its best target for ``less``), nan where it has none (random orders, samples
             ``ifd`` cannot score); None when not recorded.
         cost: what the selection cost (:class:`SelectionCost`), None when not recorded.
+        notes: lines for the run's log (warnings) where the selection gives less than the knobs
+            asked: a budget the selector could not fill, and why (e.g. ifd's samples with
+            IFD <= 1 fewer than its budget).
     """
 
     selector: str
@@ -222,6 +225,7 @@ class SelectionResult:
     token_budget: int | None = None
     score: np.ndarray | None = None
     cost: SelectionCost | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def n_selected(self) -> int:

@@ -30,6 +30,8 @@ embedding pass (N forwards, shared with the cluster selectors).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from cluster_pipeline.selection.passes import PASS_EMBEDDING
@@ -63,7 +65,33 @@ def cluster_ifd(inputs: SelectionInputs, params: SelectionParams) -> SelectionRe
     score = ifd.scores_of(inputs)
     labels = np.asarray(inputs.labels, dtype=np.int64)
     rank = rank_within(labels, ifd_order(score).astype(np.float64), inputs.k)
-    return keep_first_in_clusters("cluster_ifd", inputs, params, rank, score)
+    result = keep_first_in_clusters("cluster_ifd", inputs, params, rank, score)
+    return replace(result, notes=filled_clusters(labels, inputs.k, result.selected, score))
+
+
+def filled_clusters(
+    labels: np.ndarray, k: int, selected: np.ndarray, score: np.ndarray
+) -> tuple[str, ...]:
+    """The warning when a cluster kept samples with IFD > 1 or without an IFD (its samples
+    with IFD <= 1 fewer than its budget; the paper discards them); () when none did.
+
+    Args:
+        labels: (N,) int64 cluster per sample, in [0, K).
+        k: K.
+        selected: (N,) bool kept.
+        score: (N,) float64 IFD (nan where not computed).
+    """
+    filled = selected & ~(score <= 1)  # nan compares False: no IFD counts as filled
+    if not filled.any():
+        return ()
+    per_cluster = np.bincount(labels[filled], minlength=k).tolist()
+    kept = np.bincount(labels[selected], minlength=k).tolist()
+    return (
+        f"cluster_ifd: {int(filled.sum())} of the {int(selected.sum())} kept samples have "
+        f"IFD > 1 or none (per cluster {per_cluster} of {kept}): those clusters have fewer "
+        "samples with IFD <= 1 than their budget and are filled from the rest of their order, "
+        "to keep the ranks equal; arXiv 2504.12687 discards IFD > 1",
+    )
 
 
 SELECTORS = (

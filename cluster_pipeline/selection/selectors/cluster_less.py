@@ -67,7 +67,7 @@ from cluster_pipeline.selection.selectors.base import (
 CLUSTER_LESS_NITER = 20
 
 
-class ClusterLessKnobs(less.LessKnobs):
+class ClusterLessKnobs(less.LessPassKnobs):
     """cluster_less's knobs: less's (its target set, warm-up, preconditioning and projection)
     and its clusters."""
 

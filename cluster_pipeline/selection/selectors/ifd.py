@@ -165,6 +165,35 @@ def ifd(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
         result.balance,
         result.token_budget,
         score=score,
+        notes=short_of_budget(eligible, inputs, params, budget),
+    )
+
+
+def short_of_budget(
+    eligible: np.ndarray, inputs: SelectionInputs, params: SelectionParams, budget: int
+) -> tuple[str, ...]:
+    """The warning when the samples with IFD <= 1 hold less than the budget (all of them are
+    then kept, a smaller subset than ``ratio`` asks); () otherwise.
+
+    Args:
+        eligible: (S,) int64 the samples with IFD <= 1.
+        inputs: the pool (its lengths under token balance).
+        params: the balance.
+        budget: samples, or tokens under token balance (:func:`global_budget`).
+    """
+    n, s = inputs.n, len(eligible)
+    if params.balance == "tokens":
+        held = int(np.asarray(inputs.lengths, dtype=np.int64)[eligible].sum())
+        unit = "tokens"
+    else:
+        held, unit = s, "samples"
+    if held >= budget:
+        return ()
+    return (
+        f"ifd: only {s} of the {n} samples have IFD <= 1, the only ones Cherry keeps "
+        f"(data_by_IFD.py:106), holding {held} {unit}, fewer than the budget of {budget} "
+        f"{unit} that ratio {params.r} gives; all {s} are kept, a data fraction of "
+        f"{s / n:.3f}",
     )
 
 

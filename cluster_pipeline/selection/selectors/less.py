@@ -106,8 +106,9 @@ LESS_SEED = 0
 GradientKind = Literal["adam_released", "adam_paper", "sgd"]
 
 
-class LessKnobs(TargetKnobs):
-    """less's knobs: its target set (as rds), its warm-up and its projection."""
+class LessPassKnobs(TargetKnobs):
+    """The knobs of less's passes, which cluster_less shares: the target set (as rds), the
+    warm-up, the preconditioning and the projection."""
 
     less_warmup_fraction: float = Field(
         default=0.05,
@@ -150,18 +151,23 @@ class LessKnobs(TargetKnobs):
         "outweighs every coordinate with sqrt(v') < 1e-4); paper = eq. (1), "
         "m_hat / (sqrt(v_hat) + eps).",
     )
+    less_projection_dim: int = Field(
+        default=8192,
+        ge=1024,
+        description="less only: d, the dimension of the gradients' seeded Rademacher random "
+        "projection (the paper's 8192; a cosine's error is of order 1 / sqrt(d)).",
+    )
+
+
+class LessKnobs(LessPassKnobs):
+    """less's knobs: its passes' and how the influence aggregates over the target's tasks."""
+
     less_subtasks: Literal["mean_max", "max"] = Field(
         default="mean_max",
         description="less only: mean_max = the authors' matching.py, the influence averaged "
         "over each subtask's target samples, then the max over subtasks (a target set with at "
         "least two tasks: MMLU's topics, a folder's `task` field or files); max = the max over "
         "single target samples whatever the tasks.",
-    )
-    less_projection_dim: int = Field(
-        default=8192,
-        ge=1024,
-        description="less only: d, the dimension of the gradients' seeded Rademacher random "
-        "projection (the paper's 8192; a cosine's error is of order 1 / sqrt(d)).",
     )
 
 
@@ -245,6 +251,33 @@ def influence_scores(
     return score
 
 
+def declared_subtasks(tasks: np.ndarray | None) -> np.ndarray | None:
+    """(M,) int64 each target's subtask for ``matching.py``'s mean-then-max, or None (each
+    target its own subtask, the max over targets) when the target set names no task (a code
+    benchmark, a one-file folder without a ``task`` field: every task ""). One named task is
+    one subtask: the mean over all targets, as ``matching.py:78-79`` with one subtask gives
+    (``.reshape(N, 1, -1).mean(-1).max(-1)``)."""
+    if tasks is None or not any(str(t) for t in tasks):
+        return None
+    return groups_of(tasks)
+
+
+def subtasks_line(tasks: np.ndarray, rule: str) -> str:
+    """The log line saying how the influence aggregates over the target set's M samples:
+    over how many named subtasks (:func:`declared_subtasks`), under ``less_subtasks``."""
+    groups = declared_subtasks(tasks)
+    m = len(tasks)
+    if rule == "max":
+        return f"less: the max over the {m} target samples (less_subtasks: max)"
+    if groups is None:
+        return f"less: the target set names no task: the max over its {m} samples"
+    t = int(groups.max()) + 1
+    return (
+        f"less: the mean over each of the target set's {t} task(s), then the max over them "
+        f"({m} samples; less_subtasks: mean_max, matching.py)"
+    )
+
+
 def less(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
     """The highest scores first, up to the global budget (module docstring); score = the
     learning-rate-weighted cosine influence on the target sample it helps most.
@@ -261,7 +294,7 @@ def less(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
     tasks = inputs.target_tasks
     if tasks is not None and len(tasks) != len(targets):
         raise ValueError(f"less: {len(tasks)} target tasks for {len(targets)} target samples")
-    subtasks = groups_of(tasks, at_least=2) if knobs.less_subtasks == "mean_max" else None
+    subtasks = declared_subtasks(tasks) if knobs.less_subtasks == "mean_max" else None
     score = influence_scores(pool, targets, eta, subtasks=subtasks)
     index = np.arange(inputs.n)
     order = index[np.lexsort((index, -score))]
@@ -288,7 +321,7 @@ class LessGradients:
     warmup: TrainedRun
     costs: tuple[PassCost, ...]
 
-    def details(self, knobs: LessKnobs) -> dict:
+    def details(self, knobs: LessPassKnobs) -> dict:
         """The record's details: the target set, the warm-up's checkpoints, steps and eta_i."""
         rates = self.warmup.learning_rates
         return {
@@ -301,7 +334,7 @@ class LessGradients:
 
 
 def gradient_passes(
-    knobs: LessKnobs,
+    knobs: LessPassKnobs,
     pool: Pool,
     runner: PassRunner,
     samples: tuple[int, ...] | None = None,
@@ -385,6 +418,7 @@ def gather(knobs: LessKnobs, pool: Pool, runner: PassRunner) -> Gathered:
         PassFailed: no target sample has a response token.
     """
     got = gradient_passes(knobs, pool, runner)
+    runner.log(subtasks_line(got.tasks, knobs.less_subtasks))
     runner.write_table(
         LESS_GRADIENTS,
         pl.DataFrame(
@@ -407,7 +441,7 @@ def gather(knobs: LessKnobs, pool: Pool, runner: PassRunner) -> Gathered:
     )
 
 
-def rules(knobs: LessKnobs, facts: SelectionFacts) -> list[str]:
+def rules(knobs: LessPassKnobs, facts: SelectionFacts) -> list[str]:
     """A readable target set (as rds), warm-up steps that the checkpoints divide, and a
     warm-up share of at least one sample per rank of the pool pass where N is known."""
     problems = target_rules(knobs, facts) + checkpoint_rules(

@@ -210,7 +210,7 @@ def balanced_sampling(
 
     Returns:
         ((N,) int64 the draw order: the kept samples in the order taken, then the rest;
-        (N,) bool kept).
+        (N,) bool kept, none when the budget holds no sample).
     """
     labels = np.asarray(labels, dtype=np.int64)
     n = len(labels)
@@ -241,8 +241,9 @@ def balanced_sampling(
         rest.append(members[take:])
     kept = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
     left = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
-    if len(kept) == 0:  # a token budget below every first sample: keep one, as elsewhere
-        kept, left = left[:1], left[1:]
+    # Nothing kept when the budget holds no sample (a source's share of 0, as the authors'
+    # ``np.random.choice(indices, 0)``): keeping one here would overspend the budget once per
+    # such source; ``source_split`` keeps one sample in all.
     selected = np.zeros(n, dtype=bool)
     selected[kept] = True
     return np.concatenate([kept, left]).astype(np.int64), selected
@@ -367,9 +368,9 @@ def s2l(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
 
 
 def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> list[str]:
-    """One line per source with no more samples than ``clusters``: k-means would make each of
-    its samples a trajectory cluster of its own (``source_split`` asks for at most as many
-    clusters as the source has samples), so wherever that source is drawn from, the draw is
+    """One line for the sources with no more samples than ``clusters``: k-means makes each of
+    their samples a trajectory cluster of its own (``source_split`` asks for at most as many
+    clusters as a source has samples), so wherever such a source is drawn from, the draw is
     uniformly random. The authors' ``faiss.Kmeans(d, n_components)`` stops on a source with
     fewer samples than clusters (``schedules/s2l.py:113-114``); this project goes on and says so.
 
@@ -379,26 +380,41 @@ def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> li
         clusters: ``s2l_clusters``.
 
     Returns:
-        The lines, sources in name order; empty when every source has more samples.
+        [] when every source has more samples; else one line naming the first five such
+        sources (name order, with their sizes) and how many more, and the ``s2l_clusters`` that
+        would cluster the largest of them (none when each has one sample).
     """
     if sources is None:
-        names, sizes = np.array(["the pool"]), np.array([n])
-        where = "the pool has"
-    else:
-        names, sizes = np.unique(np.asarray(sources).astype(str), return_counts=True)
-        where = ""
-    lines = []
-    for name, size in zip(names.tolist(), sizes.tolist(), strict=True):
-        if size > clusters:
-            continue
-        what = where or f"source {name!r} has"
-        lines.append(
-            f"s2l: {what} {size} samples, no more than s2l_clusters ({clusters}): each is a "
-            "trajectory cluster of its own, so its share is drawn uniformly at random (the "
-            "authors' faiss k-means stops on fewer samples than clusters); for trajectory "
-            f"clusters there, set peripheral_subsets.s2l_clusters below {size}"
-        )
-    return lines
+        if n > clusters:
+            return []
+        return [
+            f"s2l: the pool has {n} samples, no more than s2l_clusters ({clusters}): each is a "
+            "trajectory cluster of its own, so the draw is uniformly random (the authors' faiss "
+            "k-means stops on fewer samples than clusters); peripheral_subsets.s2l_clusters "
+            f"below {n} gives trajectory clusters"
+        ]
+    names, sizes = np.unique(np.asarray(sources).astype(str), return_counts=True)
+    few = sizes <= clusters
+    if not few.any():
+        return []
+    pairs = list(zip(names[few].tolist(), sizes[few].tolist(), strict=True))
+    listing = ", ".join(f"{name!r} ({size})" for name, size in pairs[:5])
+    if len(pairs) > 5:
+        listing += f" and {len(pairs) - 5} more"
+    largest = max(size for _, size in pairs)
+    advice = (
+        f"; peripheral_subsets.s2l_clusters below {largest} gives trajectory clusters in the "
+        "largest of them"
+        if largest >= 2
+        else ""
+    )
+    return [
+        f"s2l: {len(pairs)} of the {len(names)} sources {'has' if len(pairs) == 1 else 'have'} "
+        f"no more samples than s2l_clusters "
+        f"({clusters}): {listing}; each of their samples is a trajectory cluster of its own, so "
+        "their shares are drawn uniformly at random (the authors' faiss k-means stops on fewer "
+        f"samples than clusters){advice}"
+    ]
 
 
 def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
