@@ -122,7 +122,7 @@ BOUNDS = [
         "ifd_end_of_turn, ifd_truncated, target, target_size, rds_selection, rds_pooling, "
         "s2l_steps, s2l_checkpoints, s2l_clusters, s2l_sources, s2l_small_clusters, "
         "s2l_learning_rate, less_warmup_fraction, less_warmup_steps, less_checkpoints, "
-        "less_lora_r, less_learning_rate, less_adam, less_subtasks, less_projection_dim, "
+        "less_lora_r, less_learning_rate, less_adam, less_projection_dim, less_subtasks, "
         "cluster_less_cluster_size, cluster_less_samples_per_cluster, longest_by",
     ),
     (

@@ -90,7 +90,7 @@ def test_balanced_random_reads_the_sources_and_runs_no_model_pass():
     )
     assert runner.requests == [] and gathered.passes == ()
     assert inputs.sources is not None and inputs.sources.tolist() == SOURCES.tolist()
-    assert runner.logs == ["balanced_random: 3 source(s) in the pool"]
+    assert runner.logs == ["balanced_random: 3 sources in the pool"]
     result = run_selector("balanced_random", inputs, SelectionParams(r=1 / 3))
     assert result.cost is not None and result.cost.passes == ()
     with pytest.raises(ValueError, match="needs sources"):
