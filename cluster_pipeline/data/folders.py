@@ -203,6 +203,7 @@ def _same_sample(
     renames: dict[str, str] | None,
     sample_id: str,
     used_for: str,
+    remedy: str,
 ) -> None:
     """Raise when ``record`` (record ``index`` of ``file``, at ``line``) is not the sample
     ``sample_id`` that was read there (:func:`record_field_values`' ``identity``)."""
@@ -213,9 +214,18 @@ def _same_sample(
     if found != sample_id:
         raise ValueError(
             f"{file}:{line}: record {index} is not the sample read there (sample {sample_id}), "
-            f"so {used_for} cannot be read from it: the file changed since it was read; "
-            "materialize raw_instructions again"
+            f"so {used_for} cannot be read from it: the file changed since it was read; " + remedy
         )
+
+
+# What to do when a file changed since it was read: a pool is the raw_instructions version it
+# was clustered from, so the chain from raw_instructions runs again; a target set is read anew by
+# the selection step.
+POOL_REMEDY = (
+    "materialize raw_instructions, proxy_embeddings, balanced_clusters and peripheral_subsets "
+    "again (the pool is the raw_instructions version it was clustered from)"
+)
+TARGET_REMEDY = "run peripheral_subsets again (it reads the target set anew)"
 
 
 # A shard's place in its file name, as the Hub's datasets write them (``train-00000-of-00002
@@ -236,6 +246,7 @@ def record_field_values(
     fields: tuple[str, ...],
     used_for: str,
     identity: tuple[Path, list[str]] | None = None,
+    remedy: str = POOL_REMEDY,
 ) -> list[str | None]:
     """Each sample's first non-empty field of ``fields`` in the record it was read from (a
     string or number, not a bool; a number as its ``str``): the record's ``source`` for S2L's
@@ -252,6 +263,8 @@ def record_field_values(
             turned into its sample again, under the folder's field renaming, and must be that
             sample (a file rewritten in another order, same length, would otherwise give each
             sample another record's field).
+        remedy: what to do when a file changed, in the errors (:data:`POOL_REMEDY` for a pool,
+            :data:`TARGET_REMEDY` for a target set).
 
     Returns:
         (N,) the value, or None where the sample has no file or index, or its record none of
@@ -273,13 +286,13 @@ def record_field_values(
         if not path.is_file():
             raise ValueError(
                 f"{file}: the file is gone, so {used_for} (its records' {'/'.join(fields)} "
-                "field) cannot be read; put it back, or materialize raw_instructions again "
-                "if the file was the pool's"
+                f"field) cannot be read; put it back, or {remedy}"
             )
         n = -1
         for n, (line, record) in enumerate(iter_file_records(path)):
             if n in places and identity is not None:
-                _same_sample(record, file, line, n, renames, identity[1][places[n][0]], used_for)
+                sample_id = identity[1][places[n][0]]
+                _same_sample(record, file, line, n, renames, sample_id, used_for, remedy)
             if n in places and isinstance(record, dict):
                 for name in fields:
                     value = record.get(name)
@@ -292,6 +305,6 @@ def record_field_values(
         if max(places) > n:
             raise ValueError(
                 f"{file}: holds {n + 1} records, but {used_for} name record {max(places)} of "
-                "it: the file changed since it was read; materialize raw_instructions again"
+                f"it: the file changed since it was read; {remedy}"
             )
     return out

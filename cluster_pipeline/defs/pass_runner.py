@@ -883,8 +883,9 @@ def fallback_line(files: list[str], sources: np.ndarray) -> str | None:
     fell_back = sum(str(s) == file_group(f) for f, s in zip(files, sources, strict=True))
     if 0 < fell_back < len(files):
         return (
-            f"{fell_back} of the pool's {len(files)} samples have no `source` or `dataset` field "
-            "(or an empty one): their file is their source, beside the field's values"
+            f"{fell_back} of the pool's {len(files)} samples have no usable `source` or `dataset` "
+            "field (missing, empty, or not a string or number): their file is their source, "
+            "beside the field's values"
         )
     return None
 

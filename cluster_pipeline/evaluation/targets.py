@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from cluster_pipeline.data.datasets import build_instruction_table
-from cluster_pipeline.data.folders import file_group, record_field_values
+from cluster_pipeline.data.folders import TARGET_REMEDY, file_group, record_field_values
 from cluster_pipeline.data.formats import Sample, read_dataset_folder
 
 # evaluation.suites imports torch; it is imported where it is used, so that the run checks (and
@@ -135,6 +135,7 @@ def target_tasks(frame: pl.DataFrame, target: str) -> list[str]:
         TASK_FIELDS,
         f"target {target!r}'s tasks",
         (Path(target), frame["sample_id"].to_list()),
+        TARGET_REMEDY,
     )
     groups = [file_group(file) for file in files]  # a sharded file's shards: one task
     if all(task is None for task in tasks) and len(set(groups)) == 1:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from cluster_pipeline.data.folders import read_dataset_folder
+from cluster_pipeline.data.folders import TARGET_REMEDY, read_dataset_folder, record_field_values
 from cluster_pipeline.defs.pass_runner import record_sources
 
 
@@ -117,8 +117,13 @@ def test_a_file_rewritten_in_another_order_is_named_not_read_by_position(tmp_pat
     assert str(e.value) == (
         f"{a}:1: record 0 is not the sample read there (sample {ids[0]}), so the pool's sources "
         "cannot be read from it: the file changed since it was read; materialize "
-        "raw_instructions again"
+        "raw_instructions, proxy_embeddings, balanced_clusters and peripheral_subsets again (the "
+        "pool is the raw_instructions version it was clustered from)"
     )
+    # A target folder's tasks name the step that reads the target set anew (a helper's
+    # re-trial: materializing raw_instructions alone did not help a pool pinned to its version).
+    with pytest.raises(ValueError, match=r"run peripheral_subsets again \(it reads the target"):
+        record_field_values(files, indices, ("task",), "the tasks", (tmp_path, ids), TARGET_REMEDY)
     # Without the identity (a caller that has none), by position, as before.
     assert record_sources(files, indices).tolist() == ["s1", "s0", "s2"]
 
@@ -131,13 +136,13 @@ def test_the_lines_on_sources_say_what_they_make_of_the_draw():
 
     files = ["d/a.jsonl", "d/a.jsonl", "d/b-00000-of-00002.parquet"]
     assert fallback_line(files, np.array(["gsm8k", "d/a.jsonl", "d/b.parquet"])) == (
-        "2 of the pool's 3 samples have no `source` or `dataset` field (or an empty one): their "
-        "file is their source, beside the field's values"
+        "2 of the pool's 3 samples have no usable `source` or `dataset` field (missing, empty, or "
+        "not a string or number): their file is their source, beside the field's values"
     )
     assert fallback_line(files, np.array(["x", "y", "z"])) is None
     assert fallback_line(files, np.array(["d/a.jsonl", "d/a.jsonl", "d/b.parquet"])) is None
     assert sources_line(np.array(["a", "b", "a"])) == "balanced_random: 2 sources in the pool"
     assert sources_line(np.array(["a", "a"])) == (
-        "balanced_random: 1 source in the pool, so the draw is random_global's; a `source` or "
-        "`dataset` field in the records, or one file per source, stratifies it"
+        "balanced_random: 1 source in the pool, so the draw is random_global's; records whose "
+        "`source` or `dataset` field takes several values, or one file per source, stratify it"
     )

@@ -93,8 +93,8 @@ def sources_line(sources: np.ndarray) -> str:
     if count > 1:
         return f"balanced_random: {count} sources in the pool"
     return (
-        "balanced_random: 1 source in the pool, so the draw is random_global's; a `source` or "
-        "`dataset` field in the records, or one file per source, stratifies it"
+        "balanced_random: 1 source in the pool, so the draw is random_global's; records whose "
+        "`source` or `dataset` field takes several values, or one file per source, stratify it"
     )
 
 
