@@ -273,6 +273,9 @@ class PeripheralSubsetsRecord(SelectionRecord):
     token_budget: int | None = None
     samples_per_cluster: list[int] = field(default_factory=list)
     tokens_per_cluster: list[int] = field(default_factory=list)
+    # Where the selection gives less than its knobs ask (SelectionResult.notes; the step's
+    # warnings), kept with the selection: ifd's budget unfilled, cluster_ifd's fills.
+    selection_notes: list[str] = field(default_factory=list)
     # Of the subset as trained (copies counted), from its proxy embeddings; see
     # evaluation/statistics.gradient_diversity. The pool's, for scale.
     gradient_diversity: float = float("nan")
@@ -657,6 +660,7 @@ def selection_record(
         token_budget=result.token_budget,
         samples_per_cluster=outcome.summary["kept"].to_list(),
         tokens_per_cluster=outcome.summary["kept_tokens"].to_list(),
+        selection_notes=list(result.notes),
         gradient_diversity=round(outcome.diversity[0], 6),
         pool_gradient_diversity=round(outcome.diversity[1], 6),
         selector_seconds=round(cost.seconds, 4),

@@ -186,6 +186,8 @@ def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(
             f"fraction of {eligible / n:.3f}"
         ]
         assert warnings == (expected if held < budget else [])
+        # Kept with the selection: the asset's metadata holds the same lines, unprefixed.
+        assert m["selection_notes"] == [w.removeprefix("tiny: ") for w in warnings]
         assert held >= budget or m["selected_samples"] == eligible
 
         # IFD of the first-ranked sample by hand: both losses from the model directly, over
