@@ -111,8 +111,8 @@ def test_a_target_folder_whose_answers_are_all_empty_is_refused_at_launch(tmp_pa
     write_jsonl(folder / "t.jsonl", [{**r, "output": ""} for r in tiny_records(3)])
     want = (
         f"target {str(folder)!r}: every one of its 3 samples has an empty response; rds pools "
-        "and less and cluster_less take gradients over the answer's tokens: give samples with "
-        "answers"
+        "the answer's hidden states and less and cluster_less take its gradients: give samples "
+        "with answers"
     )
     with pytest.raises(ValueError) as e:
         target_samples(str(folder), 10, [])
