@@ -180,8 +180,8 @@ def target_samples(target: str, size: int, folders: Sequence[Path]) -> pl.DataFr
     if not any(s.response.strip() for s in samples):
         raise ValueError(
             f"target {target!r}: every one of its {len(samples)} samples has an empty response; "
-            "rds pools the answer's hidden states and less and cluster_less take its gradients: "
-            "give samples with answers"
+            "rds, less and cluster_less leave out a target sample without a response token, so "
+            "none would be left: give samples with answers"
         )
     frame, _ = build_instruction_table(samples, 0.0, None, None, seed=0)
     return frame

@@ -110,9 +110,9 @@ def test_a_target_folder_whose_answers_are_all_empty_is_refused_at_launch(tmp_pa
     folder = tmp_path / "blank"
     write_jsonl(folder / "t.jsonl", [{**r, "output": ""} for r in tiny_records(3)])
     want = (
-        f"target {str(folder)!r}: every one of its 3 samples has an empty response; rds pools "
-        "the answer's hidden states and less and cluster_less take its gradients: give samples "
-        "with answers"
+        f"target {str(folder)!r}: every one of its 3 samples has an empty response; rds, less "
+        "and cluster_less leave out a target sample without a response token, so none would be "
+        "left: give samples with answers"
     )
     with pytest.raises(ValueError) as e:
         target_samples(str(folder), 10, [])
