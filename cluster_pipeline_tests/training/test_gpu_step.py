@@ -81,7 +81,12 @@ def test_the_smoke_run_figures_agree_with_each_other(smoke):
     for name in ("padded", "packed sdpa", "packed varlen", "+ fused CE", "+ fused AdamW"):
         r = by[name]
         assert r["steps"] >= 1 and r["real_tokens"] > 0
-        assert r["tokens_per_s"] == pytest.approx(r["real_tokens"] / r["seconds"], rel=1e-2)
+        # "seconds" is written to the millisecond: on a fast CPU a 3-step run of the tiny model
+        # takes a few hundredths of a second, where that rounding alone exceeds 1 %.
+        rounding = 5e-4 / r["seconds"]
+        assert r["tokens_per_s"] == pytest.approx(
+            r["real_tokens"] / r["seconds"], rel=1e-2 + rounding
+        )
         assert r["vs_padded"] == pytest.approx(r["tokens_per_s"] / padded, abs=2e-3)
         # 6 N x tokens / (seconds x 989 TFLOP/s): a few 1e-9 on a CPU, 0 at 4 decimals.
         assert r["mfu"] == round(
