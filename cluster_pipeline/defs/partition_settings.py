@@ -38,7 +38,7 @@ import pydantic
 
 from cluster_pipeline.defs.configs import STAGE_CONFIGS
 from cluster_pipeline.defs.profiles import DEFAULT_PROFILE, PROFILES, profile_run_config
-from cluster_pipeline.selection.selectors import REGISTRY, SelectionKnobs
+from cluster_pipeline.selection.selectors import SelectionKnobs, own_knobs
 from cluster_pipeline.storage.layout import DataLayout
 from cluster_pipeline.storage.names import (
     PERIPHERAL_SUBSETS,
@@ -115,9 +115,7 @@ def _taken(stage: str, stored: Mapping[str, Any], launched: Mapping[str, Any]) -
     if stage != PERIPHERAL_SUBSETS:
         return kept
     selector = launched.get("selector", stored.get("selector", SelectionKnobs().selector))
-    own = set(SelectionKnobs.model_fields)
-    if selector in REGISTRY:
-        own |= set(REGISTRY[selector].knobs.model_fields)
+    own = own_knobs(selector)
     return {k: v for k, v in kept.items() if k in own}
 
 

@@ -30,9 +30,10 @@ import polars as pl
 from cluster_pipeline.selection.clustering import StreamedClusters
 from cluster_pipeline.selection.passes import PASS_EMBEDDING, round_mib
 from cluster_pipeline.selection.selectors import (
-    REGISTRY,
+    SelectionKnobs,
     SelectionResult,
     cluster_weights,
+    own_knobs,
     record_details,
 )
 from cluster_pipeline.storage.layout import DATA_DIR_ENV, DataLayout, default_data_dir
@@ -697,13 +698,11 @@ def training_params(
 
 
 def selector_knobs(selector: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The values in a ``peripheral_subsets`` ``config`` of ``selector``'s own knobs (its
-    registered knobs class's fields, the target set's aside: the report names it apart);
-    {} for a selector without knobs."""
-    knobs = REGISTRY[selector].knobs if selector in REGISTRY else None
-    if knobs is None:
-        return {}
-    own = set(knobs.model_fields) - {"target"}
+    """The values in a ``peripheral_subsets`` ``config`` of ``selector``'s own knobs
+    (:func:`~cluster_pipeline.selection.selectors.own_knobs` but the knobs every selector has,
+    which provenance records apart, and the target set, which the report names apart); {} for
+    a selector without knobs."""
+    own = own_knobs(selector) - set(SelectionKnobs.model_fields) - {"target"}
     return {k: config[k] for k in sorted(own) if k in config}
 
 

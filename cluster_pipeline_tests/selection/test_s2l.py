@@ -244,31 +244,31 @@ def test_a_source_with_no_more_samples_than_clusters_is_named_and_drawn_at_rando
         "each of their samples is a trajectory cluster of its own, so their shares are drawn "
         "uniformly at random (the authors' faiss k-means stops on fewer samples than clusters)"
     )
-    assert unclustered_sources(sources, len(sources), 3) == [
+    assert unclustered_sources(sources, len(sources), 3) == (
         "s2l: 2 of the 3 sources have no more samples than s2l_clusters (3): 'b' (3), 'c' (2); "
         + tail
         + "; peripheral_subsets.s2l_clusters below 3 gives trajectory clusters in the largest "
         "of them"
-    ]
-    assert unclustered_sources(sources, len(sources), 2) == [
+    )
+    assert unclustered_sources(sources, len(sources), 2) == (
         "s2l: 1 of the 3 sources has no more samples than s2l_clusters (2): 'c' (2); "
         + tail
         + "; peripheral_subsets.s2l_clusters below 2 gives trajectory clusters in the largest "
         "of them"
-    ]
+    )
     # One line however many sources; no advice where every such source has one sample.
     files = np.array([f"f{i}.json" for i in range(8)])
-    assert unclustered_sources(files, 8, 2) == [
+    assert unclustered_sources(files, 8, 2) == (
         "s2l: 8 of the 8 sources have no more samples than s2l_clusters (2): 'f0.json' (1), "
         "'f1.json' (1), 'f2.json' (1), 'f3.json' (1), 'f4.json' (1) and 3 more; " + tail
-    ]
-    assert unclustered_sources(None, 3, 3) == [
+    )
+    assert unclustered_sources(None, 3, 3) == (
         "s2l: the pool has 3 samples, no more than s2l_clusters (3): each is a trajectory "
         "cluster of its own, so the draw is uniformly random (the authors' faiss k-means stops "
         "on fewer samples than clusters); peripheral_subsets.s2l_clusters below 3 gives "
         "trajectory clusters"
-    ]
-    assert unclustered_sources(None, 4, 3) == []
+    )
+    assert unclustered_sources(None, 4, 3) is None
     # What the line says: at a budget of 3 (one per source, none kept whole) source b (3
     # samples, 3 clusters) gets one trajectory cluster per sample; source a (5 samples) gets 3
     # clusters for 5 samples.

@@ -84,6 +84,7 @@ __all__ = [
     "knob_classes",
     "knobs_of",
     "misplaced_knobs",
+    "own_knobs",
     "needs_targets",
     "per_cluster_budget",
     "per_cluster_summary",
@@ -185,6 +186,16 @@ def knobs_of(selector: str, config: BaseModel | Mapping[str, Any]) -> BaseModel:
     return REGISTRY[selector].knobs.model_validate({k: v for k, v in values.items() if k in fields})
 
 
+def own_knobs(selector: str) -> set[str]:
+    """The ``peripheral_subsets`` knobs that apply to ``selector``: every selector's
+    (:class:`SelectionKnobs`: selector, ratio, seed, balance) and its spec's knobs class's (the
+    shared ones only for an unknown name)."""
+    own = set(SelectionKnobs.model_fields)
+    if selector in REGISTRY:
+        own |= set(REGISTRY[selector].knobs.model_fields)
+    return own
+
+
 def _owners(knob: str) -> list[str]:
     return [name for name, spec in REGISTRY.items() if knob in spec.knobs.model_fields]
 
@@ -203,9 +214,7 @@ def misplaced_knobs(selector: str, knobs: Iterable[str]) -> dict[str, str]:
     """Of ``knobs`` (given in a run config), those of other selectors than ``selector``, each
     with its rule: ``applies to selector s2l only (the selector is 'peripheral')`` (several
     owners: their group, e.g. ``the targeted selectors (rds, less)``)."""
-    own = set(SelectionKnobs.model_fields) | set(
-        REGISTRY[selector].knobs.model_fields if selector in REGISTRY else ()
-    )
+    own = own_knobs(selector)
     out = {}
     for knob in knobs:
         owners = _owners(knob)

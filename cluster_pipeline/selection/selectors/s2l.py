@@ -367,8 +367,8 @@ def s2l(inputs: SelectionInputs, params: SelectionParams) -> SelectionResult:
     )
 
 
-def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> list[str]:
-    """One line for the sources with no more samples than ``clusters``: k-means makes each of
+def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> str | None:
+    """The line naming the sources with no more samples than ``clusters``: k-means makes each of
     their samples a trajectory cluster of its own (``source_split`` asks for at most as many
     clusters as a source has samples), so wherever such a source is drawn from, the draw is
     uniformly random. The authors' ``faiss.Kmeans(d, n_components)`` stops on a source with
@@ -380,23 +380,23 @@ def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> li
         clusters: ``s2l_clusters``.
 
     Returns:
-        [] when every source has more samples; else one line naming the first five such
+        None when every source has more samples; else the line, naming the first five such
         sources (name order, with their sizes) and how many more, and the ``s2l_clusters`` that
         would cluster the largest of them (none when each has one sample).
     """
     if sources is None:
         if n > clusters:
-            return []
-        return [
+            return None
+        return (
             f"s2l: the pool has {n} samples, no more than s2l_clusters ({clusters}): each is a "
             "trajectory cluster of its own, so the draw is uniformly random (the authors' faiss "
             "k-means stops on fewer samples than clusters); peripheral_subsets.s2l_clusters "
             f"below {n} gives trajectory clusters"
-        ]
+        )
     names, sizes = np.unique(np.asarray(sources).astype(str), return_counts=True)
     few = sizes <= clusters
     if not few.any():
-        return []
+        return None
     pairs = list(zip(names[few].tolist(), sizes[few].tolist(), strict=True))
     listing = ", ".join(f"{name!r} ({size})" for name, size in pairs[:5])
     if len(pairs) > 5:
@@ -408,13 +408,13 @@ def unclustered_sources(sources: np.ndarray | None, n: int, clusters: int) -> li
         if largest >= 2
         else ""
     )
-    return [
+    return (
         f"s2l: {len(pairs)} of the {len(names)} sources {'has' if len(pairs) == 1 else 'have'} "
         f"no more samples than s2l_clusters "
         f"({clusters}): {listing}; each of their samples is a trajectory cluster of its own, so "
         "their shares are drawn uniformly at random (the authors' faiss k-means stops on fewer "
         f"samples than clusters){advice}"
-    ]
+    )
 
 
 def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
@@ -450,7 +450,8 @@ def gather(knobs: S2LKnobs, pool: Pool, runner: PassRunner) -> Gathered:
     if sources is not None:
         inputs["sources"] = sources
         runner.log(f"s2l: {len(set(sources.tolist()))} source(s) in the pool")
-    for line in unclustered_sources(sources, pool.n, knobs.s2l_clusters):
+    line = unclustered_sources(sources, pool.n, knobs.s2l_clusters)
+    if line:
         runner.log(line)
     return Gathered(
         inputs=inputs,
