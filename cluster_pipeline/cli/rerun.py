@@ -85,10 +85,8 @@ def _check_knobs(path: Path, ops: dict[str, Any]) -> None:
         UserError: a stage's entry is not ``config: {...}``, a knob is unknown (named with the
             nearest one), or a value is refused (the knob and why).
     """
-    import pydantic
-
-    from cluster_pipeline.defs.configs import STAGE_CONFIGS
     from cluster_pipeline.defs.partition_settings import unknown_knobs
+    from cluster_pipeline.defs.run_checks import validate_stages
 
     configs: dict[str, dict[str, Any]] = {}
     for stage, entry in ops.items():
@@ -104,17 +102,10 @@ def _check_knobs(path: Path, ops: dict[str, Any]) -> None:
             f"{path}: {'; '.join(f'ops.{u}' for u in unknown)}: not a knob of the pipeline; "
             "correct the name (the stages' knobs: `cluster-pipeline run-config`)"
         )
-    for stage, config in configs.items():
-        if stage not in STAGE_CONFIGS:
-            continue
-        try:
-            STAGE_CONFIGS[stage].model_validate(config)
-        except pydantic.ValidationError as e:
-            problems = "; ".join(
-                f"ops.{stage}.{'.'.join(map(str, err['loc']))} = {err.get('input')!r}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise UserError(f"{path}: {problems}") from None
+    # The values, as every launch checks them (bounds, finite numbers, another selector's knob).
+    _, problems = validate_stages({"ops": {s: {"config": c} for s, c in configs.items()}}, configs)
+    if problems:
+        raise UserError(f"{path}: {'; '.join(problems)}")
 
 
 def dagster_command(config: dict[str, Any], path: Path, dataset: str) -> list[str]:

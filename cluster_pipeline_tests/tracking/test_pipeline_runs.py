@@ -78,11 +78,11 @@ def test_rerun_runs_the_job_whose_stages_the_config_names(tmp_path):
         ),
         (
             "ops: {peripheral_subsets: {config: {ratio: 2.0}}}\n",
-            "ops.peripheral_subsets.ratio = 2.0: Input should be less than or equal to 1",
+            "peripheral_subsets.ratio = 2.0: Input should be less than or equal to 1",
         ),
         (
             "ops: {peripheral_subsets: {config: {selector: peripherl}}}\n",
-            "ops.peripheral_subsets.selector = 'peripherl': Input should be 'peripheral', ",
+            "peripheral_subsets.selector = 'peripherl': Input should be 'peripheral', ",
         ),
         ("ops: {proxy_embeddings: {confg: {}}}\n", "ops.proxy_embeddings must be `config:`"),
     ],
