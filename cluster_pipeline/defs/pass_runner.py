@@ -41,7 +41,7 @@ from cluster_pipeline.defs.records import (
     pinned_record,
 )
 from cluster_pipeline.defs.resources import StorageResource, TorchrunResource
-from cluster_pipeline.defs.run_checks import recheck_settings
+from cluster_pipeline.defs.run_checks import recheck_settings, refused_in_step
 from cluster_pipeline.evaluation.report import evaluate_entries
 from cluster_pipeline.evaluation.suites import EvalJob, EvalModel, EvalSettings, plan_suites
 from cluster_pipeline.evaluation.targets import target_samples, target_tasks
@@ -456,7 +456,8 @@ class DagsterPassRunner:
         try:
             frame = target_samples(target or "", size, [layout.eval_dir, SHARED_EVAL_DIR])
         except ValueError as e:  # DatasetFormatError is one
-            raise dg.Failure(description=f"{self.dataset}: peripheral_subsets.target: {e}") from e
+            problem = f"{self.dataset}: peripheral_subsets.target: {e}"
+            raise refused_in_step(self.context, layout, problem) from e
         table = write_table(
             frame, layout.table_uri(SELECTION_TARGETS, self.dataset), guard=self.storage.guard
         )
@@ -546,7 +547,8 @@ class DagsterPassRunner:
                 model_path, settings, world_size, self.torchrun.agents, self.torchrun.remote
             )
         except (ValueError, TrainingMemoryError) as e:
-            raise dg.Failure(description=f"{dataset}: {request.purpose}: {e}") from e
+            problem = f"{dataset}: {request.purpose}: {e}"
+            raise refused_in_step(self.context, self.storage.layout, problem) from e
         set_hash = manifest_set_hash(allocation.manifests)
         root = layout.proxies_dir(dataset)
         paths = [str(m.write(root / "shards" / set_hash[:16])) for m in allocation.manifests]
@@ -743,7 +745,7 @@ def plan_training(
             model_path, settings, shards.world_size, torchrun.agents, torchrun.remote
         )
     except (ValueError, TrainingMemoryError) as e:
-        raise dg.Failure(f"dataset {dataset!r}: {e}") from e
+        raise refused_in_step(context, storage.layout, f"dataset {dataset!r}: {e}") from e
     instructions = shards.inputs[RAW_INSTRUCTIONS]
     sample_ids = set(shards.table.read(["sample_id"])["sample_id"].to_list())
     data = samples_fingerprint(instructions.uri, instructions.version, sample_ids)
