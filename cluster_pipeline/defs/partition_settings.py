@@ -46,6 +46,7 @@ from cluster_pipeline.storage.names import (
     TRAINED_CHECKPOINT,
 )
 from cluster_pipeline.storage.partition_settings import (
+    Change,
     PartitionSettings,
     SettingsUnreadable,
     read_partition_settings,
@@ -202,7 +203,8 @@ def remember(
     out; call it under the partition's lock) and say what changed.
 
     Returns:
-        (the settings now, the changed knobs: ``proxy_embeddings.max_length: 512 -> 256``).
+        (the settings now, the changed knobs: ``proxy_embeddings.max_length: 512 -> 256``; a
+        knob no launch had given, given its default, is recorded but not listed).
 
     Raises:
         SettingsUnreadable: the file is damaged.
@@ -213,7 +215,15 @@ def remember(
     updated, changes = stored.with_launch({s: k for s, k in kept.items() if k}, run_id)
     if changes:
         write_partition_settings(layout.partition_settings(dataset), updated)
-    return updated, [c.describe() for c in changes]
+    # A knob first given its default changes nothing the run does: recorded, not listed (a new
+    # user's first run listed all 24 knobs as "(default) -> <the same default>").
+    return updated, [c.describe() for c in changes if c.was_set or not _is_default(c)]
+
+
+def _is_default(change: Change) -> bool:
+    """Whether ``change`` gives its knob the value its stage's schema defaults to."""
+    fields = getattr(STAGE_CONFIGS.get(change.stage), "model_fields", {})
+    return change.knob in fields and fields[change.knob].default == change.after
 
 
 def give_back(

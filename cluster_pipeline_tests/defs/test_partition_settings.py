@@ -234,6 +234,12 @@ def test_remember_keeps_what_a_launch_gives_except_one_shot_knobs(tmp_path):
     assert run_settings_line("tiny", "f", ["proxy_embeddings"], {}, PartitionSettings("t"), []) is (
         None
     )
+    # A knob first given its default (proxy_embeddings' chunk_size is 512) is recorded, not
+    # listed as a change; given another value later, it is.
+    kept, changes = remember(layout, "tiny", "run-3", {"proxy_embeddings": {"chunk_size": 512}})
+    assert changes == [] and kept.knobs("proxy_embeddings")["chunk_size"] == 512
+    _, changes = remember(layout, "tiny", "run-4", {"proxy_embeddings": {"chunk_size": 64}})
+    assert changes == ["proxy_embeddings.chunk_size: 512 -> 64"]
 
 
 @stage_asset("selection")
