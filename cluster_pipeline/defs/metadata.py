@@ -41,6 +41,7 @@ from cluster_pipeline.evaluation import plots
 from cluster_pipeline.evaluation.report import Report
 from cluster_pipeline.models.loading import describe_model
 from cluster_pipeline.selection.embedding_table import REPRESENTATIONS, l2_normalise
+from cluster_pipeline.selection.selectors import CLUSTER_SELECTORS
 from cluster_pipeline.storage.columns import describe
 from cluster_pipeline.storage.names import (
     BALANCED_CLUSTERS,
@@ -371,9 +372,16 @@ def selection_log_lines(record: PeripheralSubsetsRecord) -> list[str]:
     gradient diversity and the selection's cost."""
     r = record
     passes = ", ".join(p["name"] for p in r.selection_passes) or "no model pass"
+    # An unclustered selector's subset is dealt into balanced shards (shard_manifests): its
+    # per-cluster counts are not the ranks' (a README trial read [81, 63] against [72, 72]).
+    where = (
+        "per cluster"
+        if r.selector in CLUSTER_SELECTORS
+        else "per k-means cluster (shard_manifests deals it evenly over the ranks)"
+    )
     return [
         f"{r.selector} r={r.ratio}, balance by {r.balance}: {r.selected_samples} of "
-        f"{r.pool_size} samples ({100 * r.data_fraction:.1f}%); per cluster "
+        f"{r.pool_size} samples ({100 * r.data_fraction:.1f}%); {where} "
         f"{r.samples_per_cluster} samples, {r.tokens_per_cluster} tokens; weights "
         f"{[round(w, 4) for w in r.cluster_weights]}",
         f"gradient diversity {r.gradient_diversity:.4f} (pool {r.pool_gradient_diversity:.4f}); "

@@ -186,6 +186,17 @@ def test_ifd_scores_the_pool_with_a_second_pass_without_prompts(
             f"fraction of {eligible / n:.3f}"
         ]
         assert warnings == (expected if held < budget else [])
+        # An unclustered selector's counts are per k-means cluster, not per rank (the shards
+        # are dealt evenly): its line says so.
+        infos = [
+            e.user_message
+            for e in instance.all_logs(result.run_id)
+            if e.step_key == "peripheral_subsets" and e.level == logging.INFO
+        ]
+        (kept_line,) = [line for line in infos if line.startswith("ifd r=")]
+        assert "; per k-means cluster (shard_manifests deals it evenly over the ranks) [" in (
+            kept_line
+        )
         # Kept with the selection: the asset's metadata holds the same lines, unprefixed.
         assert m["selection_notes"] == [w.removeprefix("tiny: ") for w in warnings]
         assert held >= budget or m["selected_samples"] == eligible
